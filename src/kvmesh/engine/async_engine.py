@@ -1,0 +1,139 @@
+"""AsyncEngine: runs EngineCore steps on a dedicated thread and streams outputs to asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from kvmesh.engine.core import EngineCore, RequestOutput
+from kvmesh.engine.sequence import Request
+
+logger = logging.getLogger(__name__)
+
+
+class EngineOverloaded(Exception):
+    """The waiting queue is full; the client should retry later."""
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore, max_waiting_requests: int = 1024) -> None:
+        self.core = core
+        self.max_waiting_requests = max_waiting_requests
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._pending_adds: list[Request] = []
+        self._pending_aborts: list[str] = []
+        self._pending_calls: list[tuple[Callable[[EngineCore], Any], asyncio.Future]] = []
+        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kvmesh-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._queues)
+
+    def _run(self) -> None:
+        core = self.core
+        while not self._stopped:
+            with self._lock:
+                adds, self._pending_adds = self._pending_adds, []
+                aborts, self._pending_aborts = self._pending_aborts, []
+                calls, self._pending_calls = self._pending_calls, []
+                self._wake.clear()
+            for fn, fut in calls:
+                self._resolve(fut, fn)
+            outputs: list[RequestOutput] = []
+            for request in adds:
+                core.add_request(request)
+            for request_id in aborts:
+                out = core.abort_request(request_id)
+                if out is not None:
+                    outputs.append(out)
+            if core.has_work():
+                try:
+                    outputs.extend(core.step())
+                except Exception as exc:  # the runner failed: end requests, keep serving
+                    logger.exception("engine step failed")
+                    outputs.extend(core.fail_all(f"engine step failed: {type(exc).__name__}"))
+            elif not outputs:
+                self._wake.wait(timeout=0.5)
+            if outputs and self._loop is not None:
+                self._loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _resolve(self, fut: asyncio.Future, fn: Callable[[EngineCore], Any]) -> None:
+        try:
+            result, exc = fn(self.core), None
+        except Exception as e:
+            result, exc = None, e
+        assert self._loop is not None
+
+        def done() -> None:
+            if not fut.done():
+                fut.set_exception(exc) if exc else fut.set_result(result)
+
+        self._loop.call_soon_threadsafe(done)
+
+    async def call(self, fn: Callable[[EngineCore], Any]) -> Any:
+        """Run fn(core) on the engine thread between steps, e.g. a prefix-cache reset."""
+        fut = asyncio.get_running_loop().create_future()
+        with self._lock:
+            self._pending_calls.append((fn, fut))
+            self._wake.set()
+        return await fut
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+                if out.finished:
+                    del self._queues[out.request_id]
+
+    def _submit(self, request: Request) -> asyncio.Queue[RequestOutput]:
+        if self._thread is None:
+            raise RuntimeError("engine not started")
+        if request.request_id in self._queues:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        waiting = self.core.scheduler.num_waiting + len(self._pending_adds)
+        if waiting >= self.max_waiting_requests:
+            raise EngineOverloaded(f"{waiting} requests are waiting; try again later")
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._queues[request.request_id] = queue
+        with self._lock:
+            self._pending_adds.append(request)
+            self._wake.set()
+        return queue
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._pending_aborts.append(request_id)
+            self._wake.set()
+
+    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Yield each step's output until the request finishes; closing early aborts it."""
+        queue = self._submit(request)
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self._queues.pop(request.request_id, None)
+                self.abort(request.request_id)

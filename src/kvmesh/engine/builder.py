@@ -1,0 +1,116 @@
+"""Builds a ready engine from an EngineConfig: model, tokenizer, block pool, scheduler, events."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+
+from kvmesh.engine.async_engine import AsyncEngine
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.core import EngineCore
+from kvmesh.engine.kv_cache_manager import KVCacheManager
+from kvmesh.engine.metrics import EngineMetrics
+from kvmesh.engine.runner import ModelRunner
+from kvmesh.engine.scheduler import Scheduler, SchedulerConfig
+from kvmesh.engine.serving import OpenAIServing
+from kvmesh.protocol.zmq_events import KVEventsConfig, make_event_publisher
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineBundle:
+    config: EngineConfig
+    engine: AsyncEngine
+    serving: OpenAIServing
+    tokenizer: object
+    metrics: EngineMetrics
+    model_name: str
+    model_path: str
+    max_model_len: int
+    kv_events_dict: dict | None
+    publisher: object
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        self.publisher.close()
+
+
+def assemble(
+    config: EngineConfig,
+    runner: ModelRunner,
+    tokenizer,
+    model_name: str,
+    model_path: str,
+    eos_token_ids: tuple[int, ...],
+) -> EngineBundle:
+    """Wire the device-free core around any runner (torch today, emulated later)."""
+    events_cfg = (
+        KVEventsConfig.from_json(config.kv_events_config)
+        if config.kv_events_config
+        else KVEventsConfig()
+    )
+    publisher = make_event_publisher(events_cfg, config.data_parallel_rank)
+    kv = KVCacheManager(
+        runner.num_blocks,
+        config.block_size,
+        enable_caching=config.enable_prefix_caching,
+        hash_algo=config.prefix_caching_hash_algo,
+        enable_events=events_cfg.enable_kv_cache_events,
+    )
+    sched_cfg = SchedulerConfig(
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=runner.max_model_len,
+        enable_chunked_prefill=config.enable_chunked_prefill,
+        long_prefill_token_threshold=config.long_prefill_token_threshold,
+        policy=config.scheduling_policy,
+    )
+    name = config.served_model_name or model_name
+    metrics = EngineMetrics(name, str(config.data_parallel_rank))
+    metrics.set_cache_config(
+        config.block_size,
+        config.enable_prefix_caching,
+        runner.num_blocks,
+        config.prefix_caching_hash_algo,
+        str(config.dtype),
+    )
+    core = EngineCore(Scheduler(sched_cfg, kv), runner, tokenizer, metrics, publisher.publish)
+    engine = AsyncEngine(core, config.max_waiting_requests)
+    serving = OpenAIServing(
+        engine, tokenizer, name, runner.max_model_len, eos_token_ids, config.max_logprobs
+    )
+    events_dict = msgspec.to_builtins(events_cfg) if events_cfg.enable_kv_cache_events else None
+    return EngineBundle(
+        config,
+        engine,
+        serving,
+        tokenizer,
+        metrics,
+        name,
+        model_path,
+        runner.max_model_len,
+        events_dict,
+        publisher,
+    )
+
+
+def build_engine(config: EngineConfig) -> EngineBundle:
+    import torch
+
+    from kvmesh.engine.models.loader import load_model
+    from kvmesh.engine.runner import TorchRunner
+
+    if config.device == "cpu":
+        torch.set_num_threads(config.resolved_threads())
+    torch.manual_seed(config.seed)
+    t0 = time.perf_counter()
+    loaded = load_model(config.model, device=config.device, dtype=config.torch_dtype())
+    logger.info("loaded %s in %.1fs", loaded.name, time.perf_counter() - t0)
+    runner = TorchRunner(config, loaded)
+    eos = tuple(loaded.config.eos_token_ids)
+    return assemble(config, runner, loaded.tokenizer, loaded.name, str(loaded.path), eos)

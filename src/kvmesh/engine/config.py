@@ -1,0 +1,77 @@
+"""EngineConfig: one validated config object for the engine, flags named as vLLM names them."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+
+HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # None: the embedded default (SmolLM2-135M-Instruct)
+    served_model_name: str | None = None
+    device: str = "cpu"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    block_size: int = 16
+    num_gpu_blocks: int | None = None  # overrides the memory budget when set
+    kv_cache_memory_gib: float = 1.0  # budget for the KV cache when num_gpu_blocks is unset
+    max_model_len: int | None = None  # defaults to the model's context length (capped by cache)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # 0: no per-request cap inside the token budget
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+    scheduling_policy: str = "fcfs"
+    max_waiting_requests: int = 1024  # beyond this, new requests get 503 + Retry-After
+    max_logprobs: int = 20
+    seed: int = 0
+    kv_events_config: str | None = None  # JSON as vLLM's --kv-events-config
+    data_parallel_rank: int = 0
+    num_threads: int | None = None  # torch intra-op threads on CPU
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"--block-size must be a positive power of two, got {self.block_size}")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
+            raise ValueError("--num-gpu-blocks must be at least 2")
+        if self.kv_cache_memory_gib <= 0:
+            raise ValueError("--kv-cache-memory-gib must be positive")
+        if self.max_num_seqs < 1:
+            raise ValueError("--max-num-seqs must be at least 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("--max-num-batched-tokens must be at least 1")
+        if self.prefix_caching_hash_algo not in HASH_ALGOS:
+            raise ValueError(f"--prefix-caching-hash-algo must be one of {HASH_ALGOS}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"--scheduling-policy must be one of {SCHEDULING_POLICIES}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError("--dtype must be auto, float32, bfloat16 or float16")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("--max-model-len must be at least 2")
+        if (
+            not self.enable_chunked_prefill
+            and self.max_model_len is not None
+            and self.max_num_batched_tokens < self.max_model_len
+        ):
+            raise ValueError(
+                "without chunked prefill --max-num-batched-tokens must be >= --max-model-len"
+            )
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    def torch_dtype(self):  # -> torch.dtype, imported lazily to keep this module light
+        import torch
+
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+        return getattr(torch, self.dtype)
+
+    def resolved_threads(self) -> int:
+        return self.num_threads or max(1, len(os.sched_getaffinity(0)))

@@ -1,0 +1,174 @@
+"""EngineCore: one synchronous step = schedule, execute on the runner, turn tokens into outputs."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from kvmesh.engine.detokenizer import IncrementalDetokenizer
+from kvmesh.engine.kv_cache_manager import KVCacheManager
+from kvmesh.engine.metrics import EngineMetrics
+from kvmesh.engine.runner import ModelRunner
+from kvmesh.engine.scheduler import Scheduler, SchedulerOutput
+from kvmesh.engine.sequence import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step added to one request: new tokens and text, and how it ended if it did."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[list[tuple[int, float]]] | None
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    error: str | None = None
+
+
+class EngineCore:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        tokenizer,
+        metrics: EngineMetrics,
+        publish_events=None,
+    ) -> None:
+        self.scheduler = scheduler
+        self.kv: KVCacheManager = scheduler.kv
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.publish_events = publish_events or (lambda events: None)
+        self.detoks: dict[str, IncrementalDetokenizer] = {}
+        self.last_token_time: dict[str, float] = {}
+        self.num_steps = 0
+
+    def add_request(self, request: Request) -> None:
+        p = request.sampling
+        self.detoks[request.request_id] = IncrementalDetokenizer(
+            self.tokenizer, list(p.stop), p.include_stop_str_in_output, p.skip_special_tokens
+        )
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return self._output(request, [], None, "")
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        outputs: list[RequestOutput] = []
+        if not out.empty:
+            block_ids = {
+                s.request.request_id: self.kv.block_ids(s.request.request_id) for s in out.scheduled
+            }
+            sampled = self.runner.execute(out, block_ids)
+            self.num_steps += 1
+            now = time.monotonic()
+            for request in self.scheduler.update_from_output(out, sampled):
+                outputs.append(self._process_token(request, now))
+        self._record(out)
+        self.publish_events(self.kv.take_events())
+        return outputs
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """A runner failure ends every request with an error rather than dropping it."""
+        outputs = []
+        for request in list(self.scheduler.requests.values()):
+            self._finish(request, RequestStatus.FINISHED_ERROR)
+            out = self._output(request, [], None, "")
+            out.error = message
+            outputs.append(out)
+        self.publish_events(self.kv.take_events())
+        return outputs
+
+    def _process_token(self, request: Request, now: float) -> RequestOutput:
+        rid = request.request_id
+        token = request.output_token_ids[-1]
+        logprobs = request.output_logprobs[-1] if request.sampling.logprobs is not None else None
+        detok = self.detoks[rid]
+        detok.add(token)
+        if request.num_output_tokens == 1:
+            request.first_token_time = now
+            self.metrics.ttft.observe(now - request.arrival_time)
+            self.metrics.prompt_tokens.inc(request.num_prompt_tokens)
+            if request.first_scheduled_time is not None:
+                self.metrics.queue_time.observe(request.first_scheduled_time - request.arrival_time)
+        else:
+            self.metrics.itl.observe(now - self.last_token_time.get(rid, now))
+        self.last_token_time[rid] = now
+        self.metrics.generation_tokens.inc()
+
+        status = self._check_stop(request, token, detok)
+        if status is not None:
+            self._finish(request, status)
+            self.metrics.e2e.observe(now - request.arrival_time)
+        text = detok.release(final=status is not None)
+        return self._output(request, [token], [logprobs] if logprobs else None, text)
+
+    def _check_stop(self, request: Request, token: int, detok) -> RequestStatus | None:
+        p = request.sampling
+        if request.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in request.eos_token_ids:
+                request.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if token in p.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            stop_str = detok.find_stop()
+            if stop_str is not None:
+                request.stop_reason = stop_str
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= p.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.runner.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        self.scheduler.finish(request, status)
+        self.runner.release(request.request_id)
+        self.last_token_time.pop(request.request_id, None)
+        self.metrics.request_finished(status.finish_reason or "abort")
+
+    def _output(self, request: Request, tokens, logprobs, text: str) -> RequestOutput:
+        if request.is_finished:
+            self.detoks.pop(request.request_id, None)
+        return RequestOutput(
+            request_id=request.request_id,
+            text=text,
+            token_ids=tokens,
+            logprobs=logprobs,
+            finished=request.is_finished,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_output_tokens=request.num_output_tokens,
+        )
+
+    def _record(self, out: SchedulerOutput) -> None:
+        m, s = self.metrics, self.scheduler
+        m.running.set(s.num_running)
+        m.waiting.set(s.num_waiting)
+        m.kv_usage.set(self.kv.usage)
+        if out.preempted:
+            m.preemptions.inc(len(out.preempted))
+        queries, hits = self.kv.take_prefix_stats()
+        if queries:
+            m.prefix_queries.inc(queries)
+            m.prefix_hits.inc(hits)

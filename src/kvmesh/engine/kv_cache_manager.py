@@ -1,0 +1,151 @@
+"""KVCacheManager: per-request block tables over the BlockPool, with automatic prefix caching."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from kvmesh.engine.block_pool import BlockPool, KVCacheBlock
+from kvmesh.engine.sequence import Request
+from kvmesh.protocol.hashing import BlockHasher, block_hash_to_int, event_extra_keys
+
+
+class ComputedBlocks(NamedTuple):
+    blocks: list[KVCacheBlock]
+    num_tokens: int
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        hash_algo: str = "sha256",
+        enable_events: bool = False,
+    ) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.hasher = BlockHasher(hash_algo, block_size)
+        self.pool = BlockPool(
+            num_blocks,
+            block_size,
+            enable_caching=enable_caching,
+            hash_to_event=block_hash_to_int,
+            enable_events=enable_events,
+        )
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # blocks of the request registered in the map
+        self.prefix_cache_queries = 0  # tokens looked up at first admission, not yet reported
+        self.prefix_cache_hits = 0
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def update_block_hashes(self, request: Request) -> None:
+        """Hash every newly full block of the request (prompt and generated tokens alike)."""
+        if not self.enable_caching:
+            return
+        start = len(request.block_hashes)
+        if (start + 1) * self.block_size > request.num_tokens:
+            return
+        parent = request.block_hashes[-1] if start else None
+        request.block_hashes.extend(
+            self.hasher.hash_blocks(
+                request.all_token_ids,
+                start,
+                parent,
+                cache_salt=request.cache_salt,
+                lora_name=request.lora_name,
+            )
+        )
+
+    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
+        """Longest cached prefix, in full blocks, leaving at least the last token to compute."""
+        if not self.enable_caching:
+            return ComputedBlocks([], 0)
+        self.update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return ComputedBlocks(hits, len(hits) * self.block_size)
+
+    def record_prefix_lookup(self, num_queried: int, num_hit: int) -> None:
+        self.prefix_cache_queries += num_queried
+        self.prefix_cache_hits += num_hit
+
+    def take_prefix_stats(self) -> tuple[int, int]:
+        """(queried, hit) tokens since the last call, for the Prometheus counters."""
+        stats = (self.prefix_cache_queries, self.prefix_cache_hits)
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
+        return stats
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed: ComputedBlocks | None = None,
+    ) -> list[KVCacheBlock] | None:
+        """Make room for num_new_tokens after the computed ones; None when blocks run out."""
+        computed_blocks = computed.blocks if computed else []
+        num_computed = request.num_computed_tokens + (computed.num_tokens if computed else 0)
+        held = self.req_to_blocks.setdefault(request.request_id, [])
+        total = num_computed + num_new_tokens
+        num_needed = -(-total // self.block_size) - len(held) - len(computed_blocks)
+        # computed blocks with ref 0 sit in the free queue: taking them shrinks what is free
+        num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_needed > self.pool.num_free_blocks - num_evictable_hits:
+            return None
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            held.extend(computed_blocks)
+            self.num_cached_blocks[request.request_id] = len(held)
+        new_blocks = self.pool.get_new_blocks(max(num_needed, 0))
+        held.extend(new_blocks)
+        return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the blocks made full by the first num_tokens, once their KV is computed.
+
+        Caching after the forward pass (not at allocation) means a cached block always holds
+        valid KV, whatever preemption or abort happens between scheduling and execution."""
+        if not self.enable_caching:
+            return
+        self.update_block_hashes(request)
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
+        rid = request.request_id
+        num_cached = self.num_cached_blocks.get(rid, 0)
+        if num_full <= num_cached:
+            return
+        extra = None
+        if request.cache_salt is not None:
+            extra = [event_extra_keys(i, cache_salt=request.cache_salt) for i in range(num_full)]
+        self.pool.cache_full_blocks(
+            self.req_to_blocks[rid],
+            request.block_hashes,
+            num_cached,
+            num_full,
+            request.all_token_ids,
+            extra_keys=extra,
+            lora_name=request.lora_name,
+        )
+        self.num_cached_blocks[rid] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release a request's blocks, tail first so the tail is evicted before shared prefixes."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.pool.free_blocks(reversed(blocks))
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    def take_events(self) -> list:
+        return self.pool.take_events()

@@ -1,0 +1,216 @@
+"""Scheduler: continuous batching with a token budget, chunked prefill and recompute preemption.
+
+There are no prefill and decode phases: each step, every request's num_computed_tokens moves
+towards num_tokens within the budget. Running requests go first; waiting ones are admitted only
+when no request was preempted in this step.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvmesh.engine.kv_cache_manager import KVCacheManager
+from kvmesh.engine.sequence import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    policy: str = "fcfs"
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_tokens: int  # tokens to compute this step, starting at request.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the end of the known tokens and so yields the next one."""
+        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class WaitingQueue:
+    """FCFS deque or a (priority, arrival) heap; both pop the next request to admit."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._fifo: deque[Request] = deque()
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._seq = 0
+
+    def add(self, request: Request, front: bool = False) -> None:
+        if self.policy == "priority":
+            self._seq += 1
+            heapq.heappush(self._heap, (request.priority, request.arrival_time, self._seq, request))
+        elif front:
+            self._fifo.appendleft(request)
+        else:
+            self._fifo.append(request)
+
+    def peek(self) -> Request:
+        return self._heap[0][3] if self.policy == "priority" else self._fifo[0]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[3] if self.policy == "priority" else self._fifo.popleft()
+
+    def remove(self, request: Request) -> None:
+        if self.policy == "priority":
+            self._heap = [e for e in self._heap if e[3] is not request]
+            heapq.heapify(self._heap)
+        else:
+            self._fifo.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._heap) if self.policy == "priority" else len(self._fifo)
+
+    def __iter__(self):
+        return iter([e[3] for e in self._heap] if self.policy == "priority" else self._fifo)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting = WaitingQueue(config.policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        assert request.request_id not in self.requests, "duplicate request id"
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or len(self.waiting))
+
+    def _prefill_cap(self, num_new: int, budget: int) -> int:
+        cap = self.config.long_prefill_token_threshold
+        if cap > 0:
+            num_new = min(num_new, cap)
+        return min(num_new, budget)
+
+    def _victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=Request.sort_key)
+        return self.running[-1]
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        self.kv.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add(victim, front=True)
+        out.preempted.append(victim)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+
+        for request in list(self.running):
+            if budget <= 0:
+                break
+            if request not in self.running:  # preempted earlier in this step
+                continue
+            num_new = self._prefill_cap(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue
+            while self.kv.allocate_slots(request, num_new) is None:
+                victim = self._victim()
+                if victim.request_id in scheduled_ids:  # never undo work planned this step
+                    victim = request
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(request, num_new))
+                scheduled_ids.add(request.request_id)
+                budget -= num_new
+
+        if out.preempted:
+            return out
+
+        while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            computed = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - computed.num_tokens
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = self._prefill_cap(num_new, budget)
+            if self.kv.allocate_slots(request, num_new, computed) is None:
+                break
+            self.waiting.pop()
+            if request.num_cached_tokens < 0:  # first admission: what the client sees as cached
+                request.num_cached_tokens = computed.num_tokens
+                self.kv.record_prefix_lookup(request.num_tokens, computed.num_tokens)
+            request.num_computed_tokens = computed.num_tokens
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+        return out
+
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[str, tuple[int, list | None]]
+    ) -> list[Request]:
+        """Advance computed tokens, append sampled tokens; return requests that gained a token."""
+        progressed = []
+        for item in out.scheduled:
+            request = item.request
+            if request.is_finished:  # aborted while the step ran
+                continue
+            request.num_computed_tokens += item.num_tokens
+            self.kv.cache_blocks(request, request.num_computed_tokens)
+            token = sampled.get(request.request_id)
+            if token is not None:
+                request.append_output_token(token[0], token[1])
+                progressed.append(request)
+        return progressed
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Move a request out of the scheduler and release its blocks (idempotent)."""
+        if request.request_id not in self.requests:
+            return
+        del self.requests[request.request_id]
+        if request in self.running:
+            self.running.remove(request)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)

@@ -1,0 +1,198 @@
+"""The engine's HTTP server: vLLM's OpenAI surface, /metrics, tokenizer routes, health."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+
+from aiohttp import web
+
+from kvmesh.engine import openai_routes
+from kvmesh.engine.builder import EngineBundle
+from kvmesh.protocol.openai import (
+    APIError,
+    DetokenizeRequest,
+    TokenizeRequest,
+    decode_request,
+    encode_json,
+    error_body,
+)
+
+logger = logging.getLogger(__name__)
+MAX_BODY_BYTES = 32 * 2**20
+
+
+def _json(obj, status: int = 200, headers=None) -> web.Response:
+    return web.Response(
+        body=encode_json(obj), status=status, content_type="application/json", headers=headers
+    )
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    """Every failure reaches the client as an OpenAI error body; tracebacks stay in the log."""
+    try:
+        return await handler(request)
+    except APIError as exc:
+        return _json(exc.body(), exc.status, exc.headers)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = (
+            exc.reason
+            if exc.status != 413
+            else (f"Request body too large (limit {MAX_BODY_BYTES} bytes).")
+        )
+        return _json(error_body(message, exc.status), exc.status)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        logger.exception("unhandled error in %s %s", request.method, request.path)
+        return _json(error_body("Internal server error.", 500), 500)
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(status=200)
+
+
+async def models(request: web.Request) -> web.Response:
+    b: EngineBundle = request.app["bundle"]
+    card = {
+        "id": b.model_name,
+        "object": "model",
+        "created": b.created,
+        "owned_by": "kvmesh",
+        "root": b.model_path,
+        "parent": None,
+        "max_model_len": b.max_model_len,
+        "permission": [],
+    }
+    return _json({"object": "list", "data": [card]})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    b: EngineBundle = request.app["bundle"]
+    req: TokenizeRequest = decode_request(await request.read(), TokenizeRequest)
+    b.serving.check_model(req.model)
+    if req.messages is not None:
+        from kvmesh.protocol.openai import ChatCompletionRequest
+
+        chat = ChatCompletionRequest(
+            messages=req.messages, add_generation_prompt=req.add_generation_prompt
+        )
+        ids = b.serving.render_chat(chat)
+    elif req.prompt is not None:
+        ids = b.serving.encode(req.prompt, req.add_special_tokens)
+    else:
+        raise APIError("Either prompt or messages is required.", param="prompt")
+    body = {
+        "count": len(ids),
+        "max_model_len": b.max_model_len,
+        "tokens": ids,
+        "token_strs": b.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None,
+    }
+    return _json(body)
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    b: EngineBundle = request.app["bundle"]
+    req: DetokenizeRequest = decode_request(await request.read(), DetokenizeRequest)
+    b.serving.check_model(req.model)
+    vocab = len(b.tokenizer)
+    if any(t < 0 or t >= vocab for t in req.tokens):
+        raise APIError(f"Token ids must be in [0, {vocab}).", param="tokens")
+    return _json({"prompt": b.tokenizer.decode(req.tokens)})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    b: EngineBundle = request.app["bundle"]
+    return web.Response(
+        body=b.metrics.render(),
+        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+    )
+
+
+async def load(request: web.Request) -> web.Response:
+    return _json({"server_load": request.app["bundle"].engine.num_unfinished})
+
+
+async def version(request: web.Request) -> web.Response:
+    return _json({"version": "0.1.0"})
+
+
+async def kv_event_sources(request: web.Request) -> web.Response:
+    b: EngineBundle = request.app["bundle"]
+    return _json({str(b.config.data_parallel_rank): b.kv_events_dict})
+
+
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    b: EngineBundle = request.app["bundle"]
+    ok = await b.engine.call(lambda core: core.kv.reset_prefix_cache())
+    if not ok:
+        raise APIError("Prefix cache is in use by running requests; try again when idle.", 503)
+    return web.Response(status=200)
+
+
+def build_app(bundle: EngineBundle) -> web.Application:
+    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+    app["bundle"] = bundle
+    app["serving"] = bundle.serving
+    app.router.add_get("/health", health)
+    app.router.add_route("*", "/ping", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/version", version)
+    app.router.add_get("/load", load)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/kv_event_sources", kv_event_sources)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_post("/v1/completions", openai_routes.completions)
+    app.router.add_post("/v1/chat/completions", openai_routes.chat_completions)
+    if os.environ.get("VLLM_SERVER_DEV_MODE") == "1" or os.environ.get("KVMESH_DEV_MODE") == "1":
+        app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
+
+    async def on_startup(app: web.Application) -> None:
+        bundle.engine.start()
+
+    async def on_cleanup(app: web.Application) -> None:
+        bundle.close()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    return app
+
+
+async def start_server(bundle: EngineBundle, host: str, port: int) -> web.AppRunner:
+    """Start serving in the running loop; handlers are cancelled when their client goes away."""
+    runner = web.AppRunner(build_app(bundle), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    logger.info("serving %s on http://%s:%d", bundle.model_name, host, port)
+    return runner
+
+
+def serve(bundle: EngineBundle, host: str = "127.0.0.1", port: int = 8000) -> None:
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover
+        pass
+
+    async def main() -> None:
+        runner = await start_server(bundle, host, port)
+        print(
+            f"kvmesh engine ready: http://{host}:{port}/v1  (model {bundle.model_name})", flush=True
+        )
+        try:
+            while True:
+                await asyncio.sleep(3600)
+        finally:
+            await runner.cleanup()
+
+    bundle.created = int(time.time())
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(main())

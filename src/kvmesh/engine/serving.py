@@ -1,0 +1,226 @@
+"""OpenAI serving: API requests become engine Requests; engine outputs become API responses."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from kvmesh.engine.async_engine import AsyncEngine, EngineOverloaded
+from kvmesh.engine.core import RequestOutput
+from kvmesh.engine.sequence import Request, SamplingParams
+from kvmesh.protocol.openai import (
+    APIError,
+    ChatCompletionRequest,
+    sse_event,
+)
+
+_counter = itertools.count()
+
+
+@dataclass(slots=True)
+class Choice:
+    """Accumulated state of one choice (one prompt) of a request."""
+
+    index: int
+    prompt_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+class OpenAIServing:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        tokenizer,
+        model_name: str,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...],
+        max_logprobs: int = 20,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.max_logprobs = max_logprobs
+
+    # ---- input side -------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(f"The model `{model}` does not exist.", 404, "model")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def render_chat(self, req: ChatCompletionRequest) -> list[int]:
+        messages = [{k: v for k, v in msg_dict(m).items() if v is not None} for m in req.messages]
+        if not messages:
+            raise APIError("messages must not be empty.", param="messages")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                tools=req.tools,
+                tokenize=False,
+                add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+                continue_final_message=req.continue_final_message,
+                **(req.chat_template_kwargs or {}),
+            )
+        except Exception as exc:  # jinja errors, bad roles: the client's input
+            raise APIError(f"Chat template could not be applied: {exc}", param="messages") from None
+        return self.encode(text, add_special_tokens=False)
+
+    def sampling_params(
+        self, req, prompt_len: int, max_tokens: int | None, logprobs: int | None
+    ) -> SamplingParams:
+        if req.n != 1:
+            raise APIError("Only n=1 is supported.", param="n")
+        for name, neutral in (
+            ("presence_penalty", 0.0),
+            ("frequency_penalty", 0.0),
+            ("repetition_penalty", 1.0),
+        ):
+            if getattr(req, name) != neutral:
+                raise APIError(f"{name} is not supported by this engine.", param=name)
+        if prompt_len == 0:
+            raise APIError("The prompt is empty.", param="prompt")
+        room = self.max_model_len - prompt_len
+        if room <= 0 or (max_tokens is not None and max_tokens > room):
+            asked = max_tokens or 0
+            raise APIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {prompt_len + asked} tokens ({prompt_len} in the messages, "
+                f"{asked} in the completion). Please reduce the length of the messages or "
+                "completion.",
+                param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+            )
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        params = SamplingParams(
+            max_tokens=room if max_tokens is None else max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k in (None, -1) else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            seed=req.seed,
+            stop=stop,
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            min_tokens=req.min_tokens,
+            logprobs=logprobs,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+        try:
+            params.validate(self.max_logprobs)
+        except ValueError as exc:
+            raise APIError(str(exc)) from None
+        return params
+
+    def make_request(self, base_id: str, index: int, prompt_ids: list[int], params, req) -> Request:
+        vocab = len(self.tokenizer)
+        if any(t < 0 or t >= vocab for t in prompt_ids):
+            raise APIError(f"Token ids must be in [0, {vocab}).", param="prompt")
+        rid = base_id if index == 0 else f"{base_id}-{index}"
+        return Request(
+            rid,
+            prompt_ids,
+            params,
+            eos_token_ids=self.eos_token_ids,
+            priority=req.priority,
+            cache_salt=req.cache_salt,
+        )
+
+    # ---- running ----------------------------------------------------------------------
+    async def run(self, requests: list[Request]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Yield (choice index, output) from all requests of one API call as they arrive."""
+        if len(requests) == 1:
+            try:
+                async for out in self.engine.generate(requests[0]):
+                    yield 0, out
+            except EngineOverloaded as exc:
+                raise APIError(str(exc), 503, headers={"Retry-After": "1"}) from None
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, r: Request) -> None:
+            try:
+                async for out in self.engine.generate(r):
+                    await queue.put((i, out))
+            except BaseException as exc:  # surfaced to the consumer, never swallowed
+                await queue.put((i, exc))
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
+        try:
+            done = 0
+            while done < len(requests):
+                i, item = await queue.get()
+                if isinstance(item, EngineOverloaded):
+                    raise APIError(str(item), 503, headers={"Retry-After": "1"})
+                if isinstance(item, BaseException):
+                    raise item
+                done += item.finished
+                yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    @staticmethod
+    def request_id(headers, body_id: str | None) -> str:
+        return body_id or headers.get("X-Request-Id") or uuid.uuid4().hex
+
+    @staticmethod
+    def usage(choices: list[Choice]) -> dict:
+        prompt = sum(len(c.prompt_ids) for c in choices)
+        completion = sum(len(c.token_ids) for c in choices)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in choices)},
+        }
+
+    @staticmethod
+    def accumulate(choice: Choice, out: RequestOutput) -> None:
+        choice.text += out.text
+        choice.token_ids.extend(out.token_ids)
+        if out.logprobs:
+            choice.logprobs.extend(out.logprobs)
+        choice.cached_tokens = out.num_cached_tokens
+        if out.finished:
+            choice.finish_reason = out.finish_reason
+            choice.stop_reason = out.stop_reason
+            choice.error = out.error
+
+
+def msg_dict(m) -> dict:
+    content = m.content
+    if isinstance(content, list):  # content parts: text only
+        texts = []
+        for part in content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError("Only text content parts are supported.", param="messages")
+            texts.append(part["text"])
+        content = "".join(texts)
+    return {
+        "role": m.role,
+        "content": content,
+        "name": m.name,
+        "tool_calls": m.tool_calls,
+        "tool_call_id": m.tool_call_id,
+    }
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def sse(obj) -> bytes:
+    return sse_event(obj)

@@ -1,0 +1,1 @@
+"""Wire formats shared by every kvmesh component; imports nothing else from kvmesh."""

@@ -1,0 +1,154 @@
+"""OpenAI-compatible request schemas (with vLLM's extras), error bodies and SSE framing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class StreamOptions(msgspec.Struct, omit_defaults=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    priority: int = 0
+    cache_salt: str | None = None
+    request_id: str | None = None
+    user: str | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    return_token_ids: bool = False
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    tokens: list[int]
+    model: str | None = None
+
+
+class APIError(Exception):
+    """An error with an HTTP status that reaches the client as an OpenAI error body."""
+
+    TYPES = {
+        400: "BadRequestError",
+        404: "NotFoundError",
+        413: "RequestEntityTooLarge",
+        405: "MethodNotAllowed",
+        429: "RateLimitError",
+        500: "InternalServerError",
+        503: "ServiceUnavailableError",
+    }
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.status, self.param)
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": APIError.TYPES.get(status, "APIError"),
+            "param": param,
+            "code": status,
+        }
+    }
+
+
+_decoders: dict[type, msgspec.json.Decoder] = {}
+_encoder = msgspec.json.Encoder()
+
+
+def decode_request(body: bytes, cls: type[msgspec.Struct]):
+    """Parse and type-check a JSON body; any problem becomes a 400 naming the field."""
+    decoder = _decoders.get(cls)
+    if decoder is None:
+        decoder = _decoders[cls] = msgspec.json.Decoder(cls)
+    if not body:
+        raise APIError("The request body is empty; expected a JSON object.")
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise APIError(f"Invalid request: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise APIError(f"Malformed JSON in request body: {exc}") from None
+
+
+def encode_json(obj: Any) -> bytes:
+    return _encoder.encode(obj)
+
+
+def sse_event(obj: Any) -> bytes:
+    return b"data: " + _encoder.encode(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
