@@ -68,19 +68,74 @@ def config_from_args(cls, args: argparse.Namespace):
     return cls(**{k: v for k, v in vars(args).items() if k in names})
 
 
+EMULATION_HELP = {
+    "emulate_gpu": "Emulated accelerator: h100, h200, a100, cpu.",
+    "emulate_model": "Emulated model: llama-3.1-8b, qwen3-32b, llama-3.1-70b, glm-5.2-moe.",
+    "tensor_parallel_size": "Emulated tensor-parallel ranks (weights and work split across).",
+    "gpu_memory_utilization": "Fraction of accelerator memory for weights + KV cache.",
+    "step_overhead_ms": "Fixed time added to every emulated step (scheduling, launch).",
+    "emulate_ttft_ms": "Constant mode: a prefill step lasts this long (with --emulate-itl-ms).",
+    "emulate_itl_ms": "Constant mode: every other step lasts this long.",
+    "fault_error_rate": "Fault: fraction of API requests answered 500.",
+    "fault_hang_rate": "Fault: fraction of API requests that never answer.",
+    "fault_crash_after": "Fault: the engine goes away after this many API requests (0: never).",
+    "fault_slowdown": "Fault: every step lasts this many times the predicted time.",
+    "fault_stall_rate": "Fault: fraction of streams that stall once mid-stream.",
+    "fault_stall_seconds": "Fault: how long a stalled stream stalls.",
+    "fault_drop_events_rate": "Fault: fraction of KV event batches never published.",
+}
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    if args.model == "default":
+        args.model = None
+    return config_from_args(EngineConfig, args)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        config = _engine_config(args)
+        if args.emulate:
+            from kvmesh.engine.emulation.builder import EmulationConfig
+
+            emu = config_from_args(EmulationConfig, args)
+    except ValueError as exc:
+        print(f"kvmesh {args.command}: {exc}", file=sys.stderr)
+        return 2
+    if args.emulate:
+        return run_emulated(config, emu, args)
     from kvmesh.engine.builder import build_engine
     from kvmesh.engine.server import serve
 
-    if args.model == "default":
-        args.model = None
-    try:
-        config = config_from_args(EngineConfig, args)
-    except ValueError as exc:
-        print(f"kvmesh serve: {exc}", file=sys.stderr)
-        return 2
-    bundle = build_engine(config)
-    serve(bundle, args.host, args.port)
+    serve(build_engine(config), args.host, args.port)
+    return 0
+
+
+def run_emulated(config: EngineConfig, emu, args: argparse.Namespace) -> int:
+    import asyncio
+    import contextlib
+
+    from kvmesh.engine.emulation.host import EmulatedFleet
+    from kvmesh.engine.tokenizer import load_tokenizer
+
+    count = args.emulate
+    tokenizer, _ = load_tokenizer(config.model)
+
+    async def main() -> None:
+        fleet = EmulatedFleet(config, emu, tokenizer, count)
+        urls = await fleet.start(args.host, args.port)
+        spec = f"{emu.emulate_model} on {emu.tensor_parallel_size} x {emu.emulate_gpu}"
+        blocks = fleet.bundles[0].engine.core.kv.pool.num_blocks
+        print(f"kvmesh: {count} emulated engine(s), {spec}, {blocks} KV blocks each", flush=True)
+        for url in urls:
+            print(f"  {url}/v1", flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await fleet.stop()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(main())
     return 0
 
 
@@ -116,6 +171,24 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
         p.add_argument("--port", type=int, default=8000, help="HTTP port.")
         add_dataclass_args(p, EngineConfig, ENGINE_HELP)
+        from kvmesh.engine.emulation.builder import EmulationConfig
+
+        emu = p.add_argument_group(
+            "emulation",
+            "Emulated engines: the real server, scheduler, block pool, KV events and "
+            "metrics, with the forward pass replaced by a roofline model's step time and "
+            "deterministic tokens (SmolLM2's tokenizer, so token counts and hashes are real).",
+        )
+        emu.add_argument(
+            "--emulate",
+            type=int,
+            nargs="?",
+            const=1,
+            default=0,
+            metavar="N",
+            help="Run N emulated engines on consecutive ports from --port (serve: 1).",
+        )
+        add_dataclass_args(emu, EmulationConfig, EMULATION_HELP)
         p.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="Benchmarks.").add_subparsers(dest="bench", required=True)

@@ -1,4 +1,9 @@
-"""AsyncEngine: runs EngineCore steps on a dedicated thread and streams outputs to asyncio."""
+"""AsyncEngine: drives EngineCore steps and streams their outputs to asyncio consumers.
+
+Two drivers: a dedicated thread for runners that compute (torch releases the GIL in its kernels),
+and an event-loop task for runners that only wait (emulated engines), so that many emulated
+engines share one process without a thread each.
+"""
 
 from __future__ import annotations
 
@@ -30,50 +35,99 @@ class AsyncEngine:
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._task: asyncio.Task | None = None
+        self._async_wake: asyncio.Event | None = None
         self._stopped = False
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None or self._task is not None
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="kvmesh-engine", daemon=True)
-        self._thread.start()
+        if getattr(self.core.runner, "waits_instead_of_computing", False):
+            self._async_wake = asyncio.Event()
+            self._task = self._loop.create_task(self._run_async())
+        else:
+            self._thread = threading.Thread(target=self._run, name="kvmesh-engine", daemon=True)
+            self._thread.start()
 
     def shutdown(self) -> None:
         self._stopped = True
-        self._wake.set()
+        self._notify()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if self._task is not None:
+            self._task.cancel()
+
+    def _notify(self) -> None:
+        self._wake.set()
+        if self._async_wake is not None:
+            self._async_wake.set()
+
+    def in_flight(self, request_id: str) -> bool:
+        return request_id in self._queues
 
     @property
     def num_unfinished(self) -> int:
         return len(self._queues)
 
+    def _drain(self) -> list[RequestOutput]:
+        """Apply what arrived since the last step: new requests, aborts, calls."""
+        with self._lock:
+            adds, self._pending_adds = self._pending_adds, []
+            aborts, self._pending_aborts = self._pending_aborts, []
+            calls, self._pending_calls = self._pending_calls, []
+            self._wake.clear()
+            if self._async_wake is not None:
+                self._async_wake.clear()
+        for fn, fut in calls:
+            self._resolve(fut, fn)
+        outputs: list[RequestOutput] = []
+        for request in adds:
+            self.core.add_request(request)
+        for request_id in aborts:
+            out = self.core.abort_request(request_id)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
+        try:
+            return self.core.step()
+        except Exception as exc:  # the runner failed: end requests with an error, keep serving
+            logger.exception("engine step failed")
+            return self.core.fail_all(f"engine step failed: {type(exc).__name__}")
+
     def _run(self) -> None:
-        core = self.core
         while not self._stopped:
-            with self._lock:
-                adds, self._pending_adds = self._pending_adds, []
-                aborts, self._pending_aborts = self._pending_aborts, []
-                calls, self._pending_calls = self._pending_calls, []
-                self._wake.clear()
-            for fn, fut in calls:
-                self._resolve(fut, fn)
-            outputs: list[RequestOutput] = []
-            for request in adds:
-                core.add_request(request)
-            for request_id in aborts:
-                out = core.abort_request(request_id)
-                if out is not None:
-                    outputs.append(out)
-            if core.has_work():
-                try:
-                    outputs.extend(core.step())
-                except Exception as exc:  # the runner failed: end requests, keep serving
-                    logger.exception("engine step failed")
-                    outputs.extend(core.fail_all(f"engine step failed: {type(exc).__name__}"))
+            outputs = self._drain()
+            if self.core.has_work():
+                outputs.extend(self._step())
             elif not outputs:
                 self._wake.wait(timeout=0.5)
             if outputs and self._loop is not None:
                 self._loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    async def _run_async(self) -> None:
+        """Steps on the event loop; each lasts the runner's predicted step time (deadline-based,
+        so the time spent scheduling counts towards it)."""
+        loop = asyncio.get_running_loop()
+        assert self._async_wake is not None
+        while not self._stopped:
+            outputs = self._drain()
+            if self.core.has_work():
+                start = loop.time()
+                outputs.extend(self._step())
+                delay = start + self.core.runner.last_step_time - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                else:
+                    await asyncio.sleep(0)  # let HTTP handlers run between steps
+            elif not outputs:
+                await self._async_wake.wait()
+            if outputs:
+                self._dispatch(outputs)
 
     def _resolve(self, fut: asyncio.Future, fn: Callable[[EngineCore], Any]) -> None:
         try:
@@ -83,8 +137,12 @@ class AsyncEngine:
         assert self._loop is not None
 
         def done() -> None:
-            if not fut.done():
-                fut.set_exception(exc) if exc else fut.set_result(result)
+            if fut.done():
+                return
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
 
         self._loop.call_soon_threadsafe(done)
 
@@ -93,7 +151,7 @@ class AsyncEngine:
         fut = asyncio.get_running_loop().create_future()
         with self._lock:
             self._pending_calls.append((fn, fut))
-            self._wake.set()
+        self._notify()
         return await fut
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
@@ -105,7 +163,7 @@ class AsyncEngine:
                     del self._queues[out.request_id]
 
     def _submit(self, request: Request) -> asyncio.Queue[RequestOutput]:
-        if self._thread is None:
+        if not self.started:
             raise RuntimeError("engine not started")
         if request.request_id in self._queues:
             raise ValueError(f"request id {request.request_id!r} is already in use")
@@ -116,13 +174,13 @@ class AsyncEngine:
         self._queues[request.request_id] = queue
         with self._lock:
             self._pending_adds.append(request)
-            self._wake.set()
+        self._notify()
         return queue
 
     def abort(self, request_id: str) -> None:
         with self._lock:
             self._pending_aborts.append(request_id)
-            self._wake.set()
+        self._notify()
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Yield each step's output until the request finishes; closing early aborts it."""

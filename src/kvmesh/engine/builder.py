@@ -34,6 +34,7 @@ class EngineBundle:
     kv_events_dict: dict | None
     publisher: object
     created: int = field(default_factory=lambda: int(time.time()))
+    faults: object | None = None  # a FaultInjector on emulated engines
 
     def close(self) -> None:
         self.engine.shutdown()
@@ -103,7 +104,7 @@ def build_engine(config: EngineConfig) -> EngineBundle:
     import torch
 
     from kvmesh.engine.models.loader import load_model
-    from kvmesh.engine.runner import TorchRunner
+    from kvmesh.engine.torch_runner import TorchRunner
 
     if config.device == "cpu":
         torch.set_num_threads(config.resolved_threads())

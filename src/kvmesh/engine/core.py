@@ -79,6 +79,8 @@ class EngineCore:
             sampled = self.runner.execute(out, block_ids)
             self.num_steps += 1
             now = time.monotonic()
+            if self.runner.waits_instead_of_computing:  # tokens appear when the step ends
+                now += self.runner.last_step_time
             for request in self.scheduler.update_from_output(out, sampled):
                 outputs.append(self._process_token(request, now))
         self._record(out)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
 
 from kvmesh.engine.serving import Choice, OpenAIServing, now_s
@@ -10,12 +12,15 @@ from kvmesh.protocol.openai import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    completion_prompts,
     decode_request,
     encode_json,
     sse_event,
 )
 
 FINGERPRINT = "kvmesh-0.1.0"
+SERVING = web.AppKey("serving", OpenAIServing)
+FAULTS = web.AppKey("faults", object)
 
 
 def _completion_logprobs(serving: OpenAIServing, choice: Choice, start: int = 0) -> dict:
@@ -65,9 +70,15 @@ async def _stream(
     await resp.prepare(request)
     for chunk in first_chunks:
         await resp.write(sse_event(chunk))
+    faults = request.app.get(FAULTS)
+    stall = faults.stall_for() if faults is not None else None
+    sent = 0
     try:
         item = first
         while item is not None:
+            sent += 1
+            if stall is not None and sent == stall[0] + 1:
+                await asyncio.sleep(stall[1])  # injected mid-stream stall
             i, out = item
             serving.accumulate(choices[i], out)
             if out.error:
@@ -96,16 +107,12 @@ async def _stream(
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    serving: OpenAIServing = request.app["serving"]
+    serving: OpenAIServing = request.app[SERVING]
     req: CompletionRequest = decode_request(await request.read(), CompletionRequest)
     serving.check_model(req.model)
     if req.echo or req.suffix:
         raise APIError("echo and suffix are not supported.", param="echo")
-    prompts = req.prompt
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-        prompts = [prompts]
-    if not prompts:
-        raise APIError("The prompt is empty.", param="prompt")
+    prompts = completion_prompts(req.prompt)
     base = serving.request_id(request.headers, req.request_id)
     reqs, choices = [], []
     for i, p in enumerate(prompts):
@@ -172,7 +179,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    serving: OpenAIServing = request.app["serving"]
+    serving: OpenAIServing = request.app[SERVING]
     req: ChatCompletionRequest = decode_request(await request.read(), ChatCompletionRequest)
     serving.check_model(req.model)
     ids = serving.render_chat(req)

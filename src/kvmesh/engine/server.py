@@ -23,6 +23,7 @@ from kvmesh.protocol.openai import (
 
 logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 32 * 2**20
+BUNDLE = web.AppKey("bundle", EngineBundle)
 
 
 def _json(obj, status: int = 200, headers=None) -> web.Response:
@@ -59,7 +60,7 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
-    b: EngineBundle = request.app["bundle"]
+    b: EngineBundle = request.app[BUNDLE]
     card = {
         "id": b.model_name,
         "object": "model",
@@ -74,7 +75,7 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    b: EngineBundle = request.app["bundle"]
+    b: EngineBundle = request.app[BUNDLE]
     req: TokenizeRequest = decode_request(await request.read(), TokenizeRequest)
     b.serving.check_model(req.model)
     if req.messages is not None:
@@ -98,7 +99,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 
 async def detokenize(request: web.Request) -> web.Response:
-    b: EngineBundle = request.app["bundle"]
+    b: EngineBundle = request.app[BUNDLE]
     req: DetokenizeRequest = decode_request(await request.read(), DetokenizeRequest)
     b.serving.check_model(req.model)
     vocab = len(b.tokenizer)
@@ -108,7 +109,7 @@ async def detokenize(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    b: EngineBundle = request.app["bundle"]
+    b: EngineBundle = request.app[BUNDLE]
     return web.Response(
         body=b.metrics.render(),
         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
@@ -116,7 +117,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def load(request: web.Request) -> web.Response:
-    return _json({"server_load": request.app["bundle"].engine.num_unfinished})
+    return _json({"server_load": request.app[BUNDLE].engine.num_unfinished})
 
 
 async def version(request: web.Request) -> web.Response:
@@ -124,12 +125,12 @@ async def version(request: web.Request) -> web.Response:
 
 
 async def kv_event_sources(request: web.Request) -> web.Response:
-    b: EngineBundle = request.app["bundle"]
+    b: EngineBundle = request.app[BUNDLE]
     return _json({str(b.config.data_parallel_rank): b.kv_events_dict})
 
 
 async def reset_prefix_cache(request: web.Request) -> web.Response:
-    b: EngineBundle = request.app["bundle"]
+    b: EngineBundle = request.app[BUNDLE]
     ok = await b.engine.call(lambda core: core.kv.reset_prefix_cache())
     if not ok:
         raise APIError("Prefix cache is in use by running requests; try again when idle.", 503)
@@ -137,9 +138,15 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
 
 
 def build_app(bundle: EngineBundle) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
-    app["bundle"] = bundle
-    app["serving"] = bundle.serving
+    middlewares = [error_middleware]
+    if bundle.faults is not None:
+        middlewares.append(bundle.faults.middleware())
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
+    app[BUNDLE] = bundle
+    app[openai_routes.SERVING] = bundle.serving
+    app[openai_routes.FAULTS] = bundle.faults
+    if bundle.faults is not None:
+        app.router.add_routes(bundle.faults.routes())
     app.router.add_get("/health", health)
     app.router.add_route("*", "/ping", health)
     app.router.add_get("/v1/models", models)

@@ -129,6 +129,8 @@ class OpenAIServing:
         if any(t < 0 or t >= vocab for t in prompt_ids):
             raise APIError(f"Token ids must be in [0, {vocab}).", param="prompt")
         rid = base_id if index == 0 else f"{base_id}-{index}"
+        if self.engine.in_flight(rid):  # a client reusing an id: keep internal ids unique
+            rid = f"{rid}-{uuid.uuid4().hex[:8]}"
         return Request(
             rid,
             prompt_ids,

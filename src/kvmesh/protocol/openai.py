@@ -40,12 +40,30 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[Any]  # a string, token ids, or a batch of either (see `prompts`)
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
     add_special_tokens: bool = True
+
+
+def completion_prompts(prompt: str | list[Any]) -> list[str | list[int]]:
+    """The prompts of a completion request: str, list[int], list[str] or list[list[int]]."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return [prompt]
+    out: list[str | list[int]] = []
+    for p in prompt:
+        if isinstance(p, str) or isinstance(p, list) and p and all(isinstance(t, int) for t in p):
+            out.append(p)
+        else:
+            raise APIError("prompt must be a string, a list of token ids, or a list of either.",
+                           param="prompt")
+    if not out:
+        raise APIError("The prompt is empty.", param="prompt")
+    return out
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):

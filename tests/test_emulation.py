@@ -1,0 +1,220 @@
+"""Emulated engines: roofline latency, the real core around an EmulatedRunner, faults on demand."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+
+import pytest
+
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.emulation.builder import EmulationConfig
+from kvmesh.engine.emulation.host import EmulatedFleet
+from kvmesh.engine.emulation.latency import (
+    ACCELERATORS,
+    MODELS,
+    ConstantLatency,
+    RooflineLatency,
+    SequenceWork,
+)
+from tests.test_server import http
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from kvmesh.engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(None)[0]
+
+
+@contextlib.contextmanager
+def fleet(tokenizer, count: int = 1, engine: dict | None = None, **emu):
+    """Emulated engines on loopback, served from their own event-loop thread."""
+    emu.setdefault("emulate_ttft_ms", 20.0)
+    emu.setdefault("emulate_itl_ms", 5.0)
+    config = EngineConfig(**(engine or {}))
+    f = EmulatedFleet(config, EmulationConfig(**emu), tokenizer, count)
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    urls: list[str] = []
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        urls.extend(loop.run_until_complete(f.start("127.0.0.1", 0)))
+        ready.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert ready.wait(30)
+    try:
+        yield urls, f
+    finally:
+        asyncio.run_coroutine_threadsafe(f.stop(), loop).result(timeout=30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+
+
+def test_roofline_ttft_grows_with_uncached_tokens_and_falls_with_cached_prefix():
+    r = RooflineLatency(ACCELERATORS["h100"], MODELS["llama-3.1-8b"])
+    cold = [r.step_time([SequenceWork(n, 0)]) for n in (512, 2048, 8192)]
+    assert cold[0] < cold[1] < cold[2]
+    # 8,192-token prompt with 6,144 cached: only 2,048 computed, over a 6,144-token context
+    warm = r.step_time([SequenceWork(2048, 6144)])
+    assert warm < cold[2] / 2 and warm > cold[1]  # attention over the cached context counts
+
+
+def test_roofline_decode_is_memory_bound_and_batches_cheaply():
+    r = RooflineLatency(ACCELERATORS["h100"], MODELS["llama-3.1-8b"])
+    one = r.step_time([SequenceWork(1, 1000)])
+    many = r.step_time([SequenceWork(1, 1000)] * 32)
+    assert one > MODELS["llama-3.1-8b"].weight_bytes / ACCELERATORS["h100"].mem_bandwidth
+    assert many < 2 * one  # weights are read once per step, whatever the batch
+
+
+def test_tensor_parallel_and_capacity():
+    model = MODELS["llama-3.1-70b"]
+    with pytest.raises(ValueError, match="tensor-parallel-size"):
+        RooflineLatency(ACCELERATORS["h100"], model, 1)
+    tp2 = RooflineLatency(ACCELERATORS["h100"], model, 2)
+    tp4 = RooflineLatency(ACCELERATORS["h100"], model, 4)
+    work = [SequenceWork(1, 2000)] * 16
+    assert tp4.step_time(work) < tp2.step_time(work)
+    assert tp4.kv_capacity_bytes() > 2 * tp2.kv_capacity_bytes()
+    moe = RooflineLatency(ACCELERATORS["h200"], MODELS["glm-5.2-moe"], 8)
+    assert moe.step_time([SequenceWork(1, 1000)]) < moe.step_time([SequenceWork(1, 1000)] * 64)
+
+
+def test_constant_latency_mode():
+    c = ConstantLatency(ttft=0.1, itl=0.01)
+    assert c.step_time([SequenceWork(50, 0)]) == 0.1
+    assert c.step_time([SequenceWork(1, 50)]) == 0.01
+
+
+def test_kv_capacity_follows_memory_minus_weights(tokenizer):
+    emu = EmulationConfig(emulate_gpu="h100", emulate_model="llama-3.1-8b")
+    with fleet(
+        tokenizer,
+        emulate_ttft_ms=None,
+        emulate_itl_ms=None,
+        emulate_gpu="h100",
+        emulate_model="llama-3.1-8b",
+    ) as (_, f):
+        blocks = f.bundles[0].engine.core.kv.pool.num_blocks
+    per_block = MODELS["llama-3.1-8b"].kv_bytes_per_token * 16
+    assert blocks == int(emu.latency_model().kv_capacity_bytes() // per_block)
+
+
+def test_emulated_engine_serves_deterministic_tokens_with_real_token_counts(tokenizer):
+    with fleet(tokenizer) as (urls, _):
+        body = {"prompt": "Hello there, engine.", "max_tokens": 7, "temperature": 0}
+        code, _, raw = http(urls[0] + "/v1/completions", body)
+        first = json.loads(raw)
+        again = json.loads(http(urls[0] + "/v1/completions", body)[2])
+        assert code == 200 and first["usage"]["completion_tokens"] == 7
+        assert first["usage"]["prompt_tokens"] == len(tokenizer.encode("Hello there, engine."))
+        assert first["choices"][0]["text"] == again["choices"][0]["text"] != ""
+        assert first["choices"][0]["finish_reason"] == "length"
+
+
+def test_prefix_cache_and_metrics_work_on_emulated_engine(tokenizer):
+    with fleet(tokenizer) as (urls, _):
+        prompt = "shared agent context " * 40
+        http(urls[0] + "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+        _, _, raw = http(urls[0] + "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+        assert json.loads(raw)["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
+        text = http(urls[0] + "/metrics")[2].decode()
+        assert "vllm:prefix_cache_hits_total" in text
+
+
+def test_fault_error_rate_and_admin_endpoint(tokenizer):
+    with fleet(tokenizer, fault_error_rate=1.0) as (urls, _):
+        code, _, raw = http(urls[0] + "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert code == 500 and "Injected fault" in json.loads(raw)["error"]["message"]
+        code, _, raw = http(urls[0] + "/admin/faults", {"error_rate": 0.0})
+        assert code == 200 and json.loads(raw)["config"]["error_rate"] == 0.0
+        assert http(urls[0] + "/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
+        code, _, raw = http(urls[0] + "/admin/faults", {"error_rate": 3})
+        assert code == 400 and "error_rate" in json.loads(raw)["error"]["message"]
+        assert http(urls[0] + "/admin/faults", {"no_such_fault": 1})[0] == 400
+
+
+def test_fault_crash_after_takes_engine_off_the_network(tokenizer):
+    with fleet(tokenizer, fault_crash_after=2) as (urls, _):
+        for _ in range(2):
+            assert http(urls[0] + "/v1/completions", {"prompt": "x", "max_tokens": 1})[0] == 200
+        http(urls[0] + "/v1/completions", {"prompt": "x", "max_tokens": 1})
+        time.sleep(0.5)
+        with pytest.raises(OSError):
+            http(urls[0] + "/health")
+
+
+def test_fault_hang_never_answers(tokenizer):
+    import urllib.request
+
+    with fleet(tokenizer, fault_hang_rate=1.0) as (urls, _):
+        req = urllib.request.Request(
+            urls[0] + "/v1/completions",
+            method="POST",
+            data=b'{"prompt": "x", "max_tokens": 1}',
+            headers={"Content-Type": "application/json"},
+        )
+        with pytest.raises(OSError):  # a timeout: no answer at all
+            urllib.request.urlopen(req, timeout=1.0)
+        assert http(urls[0] + "/health")[0] == 200  # only API requests hang
+
+
+def test_fault_slowdown_scales_step_time(tokenizer):
+    with fleet(tokenizer, fault_slowdown=3.0) as (urls, f):
+        http(urls[0] + "/v1/completions", {"prompt": "x", "max_tokens": 3})
+        runner = f.bundles[0].engine.core.runner
+        assert runner.last_step_time == pytest.approx(3 * 0.005)
+
+
+def test_fault_stall_mid_stream(tokenizer):
+    import urllib.request
+
+    with fleet(tokenizer, fault_stall_rate=1.0, fault_stall_seconds=0.6) as (urls, _):
+        req = urllib.request.Request(
+            urls[0] + "/v1/completions",
+            data=json.dumps({"prompt": "x", "max_tokens": 10, "stream": True}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        stamps = []
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            for line in resp:
+                if line.startswith(b"data: {"):
+                    stamps.append(time.monotonic())
+        gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+        assert len(stamps) == 10 and max(gaps) >= 0.6  # one stall of the configured length
+
+
+def test_fault_dropped_kv_events(tokenizer):
+    from tests.conftest import free_port
+
+    port = free_port()
+    cfg = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"})
+    from kvmesh.protocol.zmq_events import KVEventSubscriber
+
+    with fleet(tokenizer, engine={"kv_events_config": cfg}, fault_drop_events_rate=1.0) as (
+        urls,
+        f,
+    ):
+        sub = KVEventSubscriber(f"tcp://127.0.0.1:{port}")
+        try:
+            time.sleep(0.2)
+            http(urls[0] + "/v1/completions", {"prompt": "drop me " * 20, "max_tokens": 2})
+            assert sub.recv(timeout=0.5) is None
+            assert f.bundles[0].faults.counts["dropped_event_batches"] >= 1
+        finally:
+            sub.close()
+
+
+def test_many_engines_in_one_process(tokenizer):
+    with fleet(tokenizer, count=4) as (urls, _):
+        assert len(set(urls)) == 4
+        for url in urls:
+            assert http(url + "/v1/completions", {"prompt": "hi", "max_tokens": 2})[0] == 200
