@@ -20,7 +20,7 @@ from kvmesh.engine.emulation.latency import (
     RooflineLatency,
     SequenceWork,
 )
-from tests.test_server import http
+from tests.helpers import http
 
 
 @pytest.fixture(scope="session")
@@ -193,7 +193,7 @@ def test_fault_stall_mid_stream(tokenizer):
 
 
 def test_fault_dropped_kv_events(tokenizer):
-    from tests.conftest import free_port
+    from tests.helpers import free_port
 
     port = free_port()
     cfg = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"})
