@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-import threading
 import time
 
 import pytest
 
-from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.emulation.builder import EmulationConfig
-from kvmesh.engine.emulation.host import EmulatedFleet
 from kvmesh.engine.emulation.latency import (
     ACCELERATORS,
     MODELS,
@@ -20,42 +15,8 @@ from kvmesh.engine.emulation.latency import (
     RooflineLatency,
     SequenceWork,
 )
+from tests.conftest import emulated_fleet
 from tests.helpers import http
-
-
-@pytest.fixture(scope="session")
-def tokenizer():
-    from kvmesh.engine.tokenizer import load_tokenizer
-
-    return load_tokenizer(None)[0]
-
-
-@contextlib.contextmanager
-def fleet(tokenizer, count: int = 1, engine: dict | None = None, **emu):
-    """Emulated engines on loopback, served from their own event-loop thread."""
-    emu.setdefault("emulate_ttft_ms", 20.0)
-    emu.setdefault("emulate_itl_ms", 5.0)
-    config = EngineConfig(**(engine or {}))
-    f = EmulatedFleet(config, EmulationConfig(**emu), tokenizer, count)
-    loop = asyncio.new_event_loop()
-    ready = threading.Event()
-    urls: list[str] = []
-
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        urls.extend(loop.run_until_complete(f.start("127.0.0.1", 0)))
-        ready.set()
-        loop.run_forever()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert ready.wait(30)
-    try:
-        yield urls, f
-    finally:
-        asyncio.run_coroutine_threadsafe(f.stop(), loop).result(timeout=30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
 
 
 def test_roofline_ttft_grows_with_uncached_tokens_and_falls_with_cached_prefix():
@@ -96,7 +57,7 @@ def test_constant_latency_mode():
 
 def test_kv_capacity_follows_memory_minus_weights(tokenizer):
     emu = EmulationConfig(emulate_gpu="h100", emulate_model="llama-3.1-8b")
-    with fleet(
+    with emulated_fleet(
         tokenizer,
         emulate_ttft_ms=None,
         emulate_itl_ms=None,
@@ -109,7 +70,7 @@ def test_kv_capacity_follows_memory_minus_weights(tokenizer):
 
 
 def test_emulated_engine_serves_deterministic_tokens_with_real_token_counts(tokenizer):
-    with fleet(tokenizer) as (urls, _):
+    with emulated_fleet(tokenizer) as (urls, _):
         body = {"prompt": "Hello there, engine.", "max_tokens": 7, "temperature": 0}
         code, _, raw = http(urls[0] + "/v1/completions", body)
         first = json.loads(raw)
@@ -121,7 +82,7 @@ def test_emulated_engine_serves_deterministic_tokens_with_real_token_counts(toke
 
 
 def test_prefix_cache_and_metrics_work_on_emulated_engine(tokenizer):
-    with fleet(tokenizer) as (urls, _):
+    with emulated_fleet(tokenizer) as (urls, _):
         prompt = "shared agent context " * 40
         http(urls[0] + "/v1/completions", {"prompt": prompt, "max_tokens": 2})
         _, _, raw = http(urls[0] + "/v1/completions", {"prompt": prompt, "max_tokens": 2})
@@ -131,7 +92,7 @@ def test_prefix_cache_and_metrics_work_on_emulated_engine(tokenizer):
 
 
 def test_fault_error_rate_and_admin_endpoint(tokenizer):
-    with fleet(tokenizer, fault_error_rate=1.0) as (urls, _):
+    with emulated_fleet(tokenizer, fault_error_rate=1.0) as (urls, _):
         code, _, raw = http(urls[0] + "/v1/completions", {"prompt": "x", "max_tokens": 2})
         assert code == 500 and "Injected fault" in json.loads(raw)["error"]["message"]
         code, _, raw = http(urls[0] + "/admin/faults", {"error_rate": 0.0})
@@ -143,7 +104,7 @@ def test_fault_error_rate_and_admin_endpoint(tokenizer):
 
 
 def test_fault_crash_after_takes_engine_off_the_network(tokenizer):
-    with fleet(tokenizer, fault_crash_after=2) as (urls, _):
+    with emulated_fleet(tokenizer, fault_crash_after=2) as (urls, _):
         for _ in range(2):
             assert http(urls[0] + "/v1/completions", {"prompt": "x", "max_tokens": 1})[0] == 200
         http(urls[0] + "/v1/completions", {"prompt": "x", "max_tokens": 1})
@@ -155,7 +116,7 @@ def test_fault_crash_after_takes_engine_off_the_network(tokenizer):
 def test_fault_hang_never_answers(tokenizer):
     import urllib.request
 
-    with fleet(tokenizer, fault_hang_rate=1.0) as (urls, _):
+    with emulated_fleet(tokenizer, fault_hang_rate=1.0) as (urls, _):
         req = urllib.request.Request(
             urls[0] + "/v1/completions",
             method="POST",
@@ -168,7 +129,7 @@ def test_fault_hang_never_answers(tokenizer):
 
 
 def test_fault_slowdown_scales_step_time(tokenizer):
-    with fleet(tokenizer, fault_slowdown=3.0) as (urls, f):
+    with emulated_fleet(tokenizer, fault_slowdown=3.0) as (urls, f):
         http(urls[0] + "/v1/completions", {"prompt": "x", "max_tokens": 3})
         runner = f.bundles[0].engine.core.runner
         assert runner.last_step_time == pytest.approx(3 * 0.005)
@@ -177,7 +138,7 @@ def test_fault_slowdown_scales_step_time(tokenizer):
 def test_fault_stall_mid_stream(tokenizer):
     import urllib.request
 
-    with fleet(tokenizer, fault_stall_rate=1.0, fault_stall_seconds=0.6) as (urls, _):
+    with emulated_fleet(tokenizer, fault_stall_rate=1.0, fault_stall_seconds=0.6) as (urls, _):
         req = urllib.request.Request(
             urls[0] + "/v1/completions",
             data=json.dumps({"prompt": "x", "max_tokens": 10, "stream": True}).encode(),
@@ -199,7 +160,9 @@ def test_fault_dropped_kv_events(tokenizer):
     cfg = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"})
     from kvmesh.protocol.zmq_events import KVEventSubscriber
 
-    with fleet(tokenizer, engine={"kv_events_config": cfg}, fault_drop_events_rate=1.0) as (
+    with emulated_fleet(
+        tokenizer, engine={"kv_events_config": cfg}, fault_drop_events_rate=1.0
+    ) as (
         urls,
         f,
     ):
@@ -214,7 +177,7 @@ def test_fault_dropped_kv_events(tokenizer):
 
 
 def test_many_engines_in_one_process(tokenizer):
-    with fleet(tokenizer, count=4) as (urls, _):
+    with emulated_fleet(tokenizer, count=4) as (urls, _):
         assert len(set(urls)) == 4
         for url in urls:
             assert http(url + "/v1/completions", {"prompt": "hi", "max_tokens": 2})[0] == 200

@@ -1,0 +1,106 @@
+"""Shared fixtures: the real SmolLM2 model loaded once, and engine servers on loopback ports."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+
+import pytest
+
+from tests.helpers import free_port
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    import torch
+
+    from kvmesh.engine.models.loader import load_model
+
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+    return load_model(None, device="cpu", dtype=torch.float32)
+
+
+@contextlib.contextmanager
+def engine_server(loaded, **config_kw):
+    """Run a real engine server (HTTP on loopback) on its own event-loop thread."""
+    from kvmesh.engine.builder import assemble
+    from kvmesh.engine.config import EngineConfig
+    from kvmesh.engine.server import start_server
+    from kvmesh.engine.torch_runner import TorchRunner
+
+    config_kw.setdefault("num_gpu_blocks", 256)
+    config_kw.setdefault("max_model_len", 2048)
+    config = EngineConfig(**config_kw)
+    runner = TorchRunner(config, loaded)
+    bundle = assemble(
+        config,
+        runner,
+        loaded.tokenizer,
+        loaded.name,
+        str(loaded.path),
+        tuple(loaded.config.eos_token_ids),
+    )
+    port = free_port()
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+    state: dict = {}
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        state["runner"] = loop.run_until_complete(start_server(bundle, "127.0.0.1", port))
+        started.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert started.wait(60), "server did not start"
+    try:
+        yield f"http://127.0.0.1:{port}", bundle
+    finally:
+        fut = asyncio.run_coroutine_threadsafe(state["runner"].cleanup(), loop)
+        fut.result(timeout=30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from kvmesh.engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(None)[0]
+
+
+@contextlib.contextmanager
+def emulated_fleet(tokenizer, count: int = 1, engine: dict | None = None, **emu):
+    """Emulated engines on loopback, served from their own event-loop thread."""
+    from kvmesh.engine.config import EngineConfig
+    from kvmesh.engine.emulation.builder import EmulationConfig
+    from kvmesh.engine.emulation.host import EmulatedFleet
+
+    emu.setdefault("emulate_ttft_ms", 20.0)
+    emu.setdefault("emulate_itl_ms", 5.0)
+    fleet = EmulatedFleet(EngineConfig(**(engine or {})), EmulationConfig(**emu), tokenizer, count)
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    urls: list[str] = []
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        urls.extend(loop.run_until_complete(fleet.start("127.0.0.1", 0)))
+        ready.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert ready.wait(30), "emulated fleet did not start"
+    try:
+        yield urls, fleet
+    finally:
+        asyncio.run_coroutine_threadsafe(fleet.stop(), loop).result(timeout=30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
