@@ -1,0 +1,1 @@
+"""Model implementations and loaders for the embedded engine."""
