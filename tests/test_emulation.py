@@ -181,3 +181,12 @@ def test_many_engines_in_one_process(tokenizer):
         assert len(set(urls)) == 4
         for url in urls:
             assert http(url + "/v1/completions", {"prompt": "hi", "max_tokens": 2})[0] == 200
+
+
+def test_admin_timing_reports_predicted_ttft_and_itl(tokenizer):
+    with emulated_fleet(tokenizer, emulate_ttft_ms=30.0, emulate_itl_ms=10.0) as (urls, _):
+        http(urls[0] + "/v1/completions", {"prompt": "x", "max_tokens": 5, "ignore_eos": True})
+        t = json.loads(http(urls[0] + "/admin/timing")[2])
+        assert t["ttft_count"] == 1 and t["itl_count"] == 4
+        assert t["predicted_ttft_s_mean"] == pytest.approx(0.030)
+        assert t["predicted_itl_s_mean"] == pytest.approx(0.010)

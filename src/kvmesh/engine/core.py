@@ -51,6 +51,7 @@ class EngineCore:
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self.last_token_time: dict[str, float] = {}
         self.num_steps = 0
+        self.step_observer = None  # called after each step (emulation records predicted times)
 
     def add_request(self, request: Request) -> None:
         p = request.sampling
@@ -70,6 +71,7 @@ class EngineCore:
         return self.scheduler.has_work
 
     def step(self) -> list[RequestOutput]:
+        step_start = time.monotonic()
         out = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
         if not out.empty:
@@ -81,7 +83,12 @@ class EngineCore:
             now = time.monotonic()
             if self.runner.waits_instead_of_computing:  # tokens appear when the step ends
                 now += self.runner.last_step_time
-            for request in self.scheduler.update_from_output(out, sampled):
+            progressed = self.scheduler.update_from_output(out, sampled)
+            if self.step_observer is not None:
+                self.step_observer(
+                    self.scheduler, step_start, self.runner.last_step_time, progressed
+                )
+            for request in progressed:
                 outputs.append(self._process_token(request, now))
         self._record(out)
         self.publish_events(self.kv.take_events())

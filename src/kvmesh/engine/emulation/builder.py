@@ -15,6 +15,7 @@ from kvmesh.engine.emulation.latency import (
     RooflineLatency,
 )
 from kvmesh.engine.emulation.runner import EmulatedRunner
+from kvmesh.engine.emulation.timing import PredictedTiming
 
 
 @dataclass(slots=True)
@@ -89,6 +90,9 @@ def build_emulated_engine(
     )
     bundle.engine.core.publish_events = faults.wrap_publish(bundle.engine.core.publish_events)
     bundle.faults = faults
+    timing = PredictedTiming()
+    bundle.engine.core.step_observer = timing.observe
+    faults.timing = timing  # served on /admin/timing beside the fault settings
     return bundle
 
 

@@ -46,6 +46,7 @@ class FaultInjector:
         self.num_requests = 0
         self.counts = {"errors": 0, "hangs": 0, "stalls": 0, "dropped_event_batches": 0}
         self.crashed = asyncio.Event()  # set when crash_after is reached; the host stops it
+        self.timing = None  # PredictedTiming of the engine, for /admin/timing
 
     def update(self, changes: dict) -> None:
         merged = msgspec.structs.asdict(self.config) | changes
@@ -139,4 +140,12 @@ class FaultInjector:
                 )
             return await get(request)
 
-        return [web.get("/admin/faults", get), web.post("/admin/faults", post)]
+        async def timing(request: web.Request) -> web.Response:
+            t = self.timing
+            return web.json_response(t.summary() if t is not None else {})
+
+        return [
+            web.get("/admin/faults", get),
+            web.post("/admin/faults", post),
+            web.get("/admin/timing", timing),
+        ]

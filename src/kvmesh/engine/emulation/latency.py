@@ -153,6 +153,7 @@ MODELS: dict[str, ModelSpec] = {
 class SequenceWork(NamedTuple):
     num_new_tokens: int  # tokens computed this step
     num_context_tokens: int  # tokens already in the cache before this step
+    is_prefill: bool = False  # prompt (or recomputed) tokens rather than one decode token
 
 
 class LatencyModel(abc.ABC):
@@ -173,7 +174,7 @@ class ConstantLatency(LatencyModel):
         self.ttft, self.itl, self.per_prefill_token = ttft, itl, per_prefill_token
 
     def step_time(self, work: list[SequenceWork]) -> float:
-        prefill = [w.num_new_tokens for w in work if w.num_new_tokens > 1]
+        prefill = [w.num_new_tokens for w in work if w.is_prefill or w.num_new_tokens > 1]
         if not prefill:
             return self.itl if work else 0.0
         return self.ttft + self.per_prefill_token * sum(prefill)

@@ -46,7 +46,14 @@ class EmulatedRunner(ModelRunner):
         self.num_steps = 0
 
     def execute(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> SampledTokens:
-        work = [SequenceWork(s.num_tokens, s.request.num_computed_tokens) for s in out.scheduled]
+        work = [
+            SequenceWork(
+                s.num_tokens,
+                s.request.num_computed_tokens,
+                s.num_tokens > 1 or s.request.num_output_tokens == 0,
+            )
+            for s in out.scheduled
+        ]
         slowdown = self.slowdown * (self.faults.config.slowdown if self.faults else 1.0)
         self.last_step_time = self.latency.step_time(work) * slowdown
         self.predicted_time_total += self.last_step_time
