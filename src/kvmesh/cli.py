@@ -107,7 +107,60 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvmesh.engine.builder import build_engine
     from kvmesh.engine.server import serve
 
-    serve(build_engine(config), args.host, args.port)
+    if args.command == "serve":
+        serve(build_engine(config), args.host, args.port)
+        return 0
+    return run_up(config, args)
+
+
+def run_up(config: EngineConfig, args: argparse.Namespace) -> int:
+    """The whole stack on this machine: the engine behind the router, events over ipc://."""
+    import asyncio
+    import contextlib
+    import dataclasses
+    import json
+    import tempfile
+
+    from kvmesh.engine.builder import build_engine
+    from kvmesh.engine.server import start_server
+    from kvmesh.router.app import RouterConfig
+
+    if not config.kv_events_config:
+        ipc = tempfile.mkdtemp(prefix="kvmesh-")
+        config = dataclasses.replace(
+            config,
+            kv_events_config=json.dumps(
+                {
+                    "enable_kv_cache_events": True,
+                    "endpoint": f"ipc://{ipc}/kv",
+                    "replay_endpoint": f"ipc://{ipc}/replay",
+                }
+            ),
+        )
+    bundle = build_engine(config)
+
+    async def main() -> None:
+        engine_runner = await start_server(bundle, args.host, args.port + 1)
+        engine_url = f"http://{args.host}:{args.port + 1}"
+        rcfg = RouterConfig(
+            endpoints=[engine_url],
+            block_size=config.block_size,
+            prefix_caching_hash_algo=config.prefix_caching_hash_algo,
+        )
+        _, router_runner = await start_router_from(rcfg, args.host, args.port, bundle.tokenizer)
+        print(
+            f"kvmesh ready: http://{args.host}:{args.port}/v1 (router; model "
+            f"{bundle.model_name}; engine {engine_url}/v1)",
+            flush=True,
+        )
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await router_runner.cleanup()
+            await engine_runner.cleanup()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(main())
     return 0
 
 
@@ -123,16 +176,107 @@ def run_emulated(config: EngineConfig, emu, args: argparse.Namespace) -> int:
 
     async def main() -> None:
         fleet = EmulatedFleet(config, emu, tokenizer, count)
-        urls = await fleet.start(args.host, args.port)
+        with_router = args.command == "up"
+        urls = await fleet.start(args.host, args.port + 1 if with_router else args.port)
         spec = f"{emu.emulate_model} on {emu.tensor_parallel_size} x {emu.emulate_gpu}"
         blocks = fleet.bundles[0].engine.core.kv.pool.num_blocks
         print(f"kvmesh: {count} emulated engine(s), {spec}, {blocks} KV blocks each", flush=True)
         for url in urls:
-            print(f"  {url}/v1", flush=True)
+            print(f"  engine {url}/v1", flush=True)
+        runner = None
+        if with_router:
+            from kvmesh.router.app import RouterConfig
+
+            rcfg = RouterConfig(
+                endpoints=urls,
+                block_size=config.block_size,
+                prefix_caching_hash_algo=config.prefix_caching_hash_algo,
+                kv_events="auto" if config.kv_events_config else None,
+            )
+            _, runner = await start_router_from(rcfg, args.host, args.port)
+            print(
+                f"kvmesh ready: http://{args.host}:{args.port}/v1 (router, preset {rcfg.preset})",
+                flush=True,
+            )
         try:
             await asyncio.Event().wait()
         finally:
+            if runner is not None:
+                await runner.cleanup()
             await fleet.stop()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(main())
+    return 0
+
+
+ROUTER_HELP = {
+    "endpoints_file": "YAML/JSON list of endpoints (URLs or {url, name, labels, models, "
+    "kv_events}); reloaded when it changes.",
+    "scheduler_config": "EndpointPickerConfig YAML (plugins + schedulingProfiles), as llm-d's.",
+    "preset": "Scheduler preset when no --scheduler-config: round-robin, random, load, "
+    "approx-prefix, precise-prefix, kvmesh.",
+    "tokenizer": "Tokenizer of the served model: a local HF directory or GGUF file (default: "
+    "the embedded SmolLM2's).",
+    "block_size": "The engines' KV block size (prefix keys are computed exactly as theirs).",
+    "prefix_caching_hash_algo": "The engines' --prefix-caching-hash-algo (set the same "
+    "PYTHONHASHSEED as theirs).",
+    "kv_events": "KV event source per endpoint: 'auto' asks each engine's /kv_event_sources; "
+    "'none' turns precise indexing off.",
+    "scrape_interval": "Seconds between /metrics scrapes of each endpoint.",
+    "max_retries": "Other endpoints tried when one fails before the first byte.",
+    "max_body_bytes": "Largest request body accepted.",
+    "index_capacity": "Most (block, endpoint) entries in the precise index.",
+    "approx_capacity_per_endpoint": "Blocks remembered per endpoint by the approximate index.",
+    "first_byte_timeout": "Seconds to wait for an endpoint's first byte.",
+}
+
+
+def router_config_from(args: argparse.Namespace, endpoints: list[str]):
+    from kvmesh.router.app import RouterConfig
+
+    args.endpoints = endpoints
+    if getattr(args, "kv_events", None) == "none":
+        args.kv_events = None
+    return config_from_args(RouterConfig, args)
+
+
+async def start_router_from(config, host: str, port: int, tokenizer=None):
+    from kvmesh.engine.tokenizer import load_tokenizer
+    from kvmesh.router.app import Router, start_router
+
+    if tokenizer is None:
+        tokenizer, _ = load_tokenizer(config.tokenizer)
+    router = Router(config, tokenizer)
+    return router, await start_router(router, host, port)
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    import asyncio
+    import contextlib
+
+    if not args.endpoint and not args.endpoints_file:
+        print(
+            "kvmesh router: give --endpoint URL (repeatable) or --endpoints-file", file=sys.stderr
+        )
+        return 2
+    try:
+        config = router_config_from(args, args.endpoint or [])
+    except ValueError as exc:
+        print(f"kvmesh router: {exc}", file=sys.stderr)
+        return 2
+
+    async def main() -> None:
+        _, runner = await start_router_from(config, args.host, args.port)
+        print(
+            f"kvmesh router ready: http://{args.host}:{args.port}/v1 "
+            f"({len(config.endpoints)} endpoints, preset {config.preset})",
+            flush=True,
+        )
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
 
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(main())
@@ -158,8 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("serve", "Serve one engine with the OpenAI API on HTTP."),
         (
             "up",
-            "Start kvmesh on this machine (today: one engine on the default "
-            "model; the router joins when it lands).",
+            "Start kvmesh on this machine: the router on --port in front of the engine "
+            "(or of --emulate N emulated engines) on the ports after it.",
         ),
     ):
         p = sub.add_parser(
@@ -190,6 +334,28 @@ def build_parser() -> argparse.ArgumentParser:
         )
         add_dataclass_args(emu, EmulationConfig, EMULATION_HELP)
         p.set_defaults(func=cmd_serve)
+
+    rp = sub.add_parser(
+        "router",
+        help="Cache-aware router in front of vLLM-compatible engines.",
+        description="Serve the OpenAI API on one port and send each request to the engine where "
+        "it is served fastest: above all the one that already holds its prefix (from the "
+        "engines' KV events and the router's own decisions), then the least loaded.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    rp.add_argument(
+        "--endpoint",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="An engine's base URL (repeatable), e.g. http://127.0.0.1:8001.",
+    )
+    rp.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
+    rp.add_argument("--port", type=int, default=8000, help="HTTP port.")
+    from kvmesh.router.app import RouterConfig
+
+    add_dataclass_args(rp, RouterConfig, ROUTER_HELP)
+    rp.set_defaults(func=cmd_router)
 
     bench = sub.add_parser("bench", help="Benchmarks.").add_subparsers(dest="bench", required=True)
     be = bench.add_parser(

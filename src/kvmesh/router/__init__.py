@@ -1,0 +1,1 @@
+"""kvmesh router: cache-aware scheduling in front of vLLM-compatible engines."""

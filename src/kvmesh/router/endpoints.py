@@ -1,0 +1,175 @@
+"""Endpoints and what the router knows of each: health, load scraped from /metrics, requests in
+flight through this router, and where its KV events are published."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+import aiohttp
+import yaml
+
+from kvmesh.protocol.prom import parse_engine_load
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class Endpoint:
+    url: str  # base URL, e.g. http://10.0.0.5:8000
+    name: str = ""
+    labels: dict[str, str] = field(default_factory=dict)
+    models: tuple[str, ...] = ()
+    kv_events: str | None = None  # ZMQ endpoint to subscribe to; "auto": ask /kv_event_sources
+    healthy: bool = True
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0
+    in_flight: int = 0
+    in_flight_tokens: int = 0
+    failures: int = 0
+    retry_at: float = 0.0
+    last_scrape: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.url = self.url.rstrip("/")
+        if self.url.endswith("/v1"):
+            self.url = self.url[:-3]
+        self.name = self.name or self.url
+
+    @property
+    def host(self) -> str:
+        return urlparse(self.url).hostname or "127.0.0.1"
+
+    def mark_failure(self, now: float) -> None:
+        """Exponential backoff: 0.5 s doubling to 30 s between checks of a failing endpoint."""
+        self.failures += 1
+        self.healthy = False
+        self.retry_at = now + min(30.0, 0.5 * 2 ** (self.failures - 1))
+
+    def mark_success(self) -> None:
+        self.failures = 0
+        self.healthy = True
+
+
+def load_endpoints_file(path: str | Path) -> list[Endpoint]:
+    """YAML or JSON: a list of URLs, or of {url, name, labels, models, kv_events}."""
+    data = yaml.safe_load(Path(path).read_text()) or []
+    if isinstance(data, dict):
+        data = data.get("endpoints", [])
+    out = []
+    for item in data:
+        if isinstance(item, str):
+            out.append(Endpoint(item))
+        elif isinstance(item, dict) and "url" in item:
+            out.append(
+                Endpoint(
+                    item["url"],
+                    item.get("name", ""),
+                    {str(k): str(v) for k, v in (item.get("labels") or {}).items()},
+                    tuple(item.get("models") or ()),
+                    item.get("kv_events"),
+                )
+            )
+        else:
+            raise ValueError(f"{path}: each endpoint is a URL or a mapping with 'url'")
+    return out
+
+
+class EndpointPool:
+    """The live set of endpoints, kept fresh by background tasks on the router's event loop."""
+
+    def __init__(
+        self,
+        endpoints: list[Endpoint],
+        scrape_interval: float = 0.1,
+        endpoints_file: str | None = None,
+        on_removed=None,
+    ) -> None:
+        self.endpoints: dict[str, Endpoint] = {e.name: e for e in endpoints}
+        self.scrape_interval = scrape_interval
+        self.endpoints_file = endpoints_file
+        self.on_removed = on_removed or (lambda name: None)
+        self.on_added = lambda endpoint: None
+        self._file_mtime = 0.0
+        self._tasks: list[asyncio.Task] = []
+        self._session: aiohttp.ClientSession | None = None
+
+    def candidates(self) -> list[Endpoint]:
+        return [e for e in self.endpoints.values() if e.healthy]
+
+    async def start(self, session: aiohttp.ClientSession) -> None:
+        self._session = session
+        if self.endpoints_file:
+            self._reload_file()
+        self._tasks.append(asyncio.create_task(self._scrape_loop()))
+        if self.endpoints_file:
+            self._tasks.append(asyncio.create_task(self._watch_file()))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+
+    def _reload_file(self) -> None:
+        path = Path(self.endpoints_file)
+        try:
+            mtime = path.stat().st_mtime
+            if mtime == self._file_mtime:
+                return
+            fresh = {e.name: e for e in load_endpoints_file(path)}
+        except (OSError, ValueError, yaml.YAMLError) as exc:
+            logger.warning("endpoints file %s not loaded: %s", path, exc)
+            return
+        self._file_mtime = mtime
+        for name in list(self.endpoints):
+            if name not in fresh:
+                del self.endpoints[name]
+                self.on_removed(name)
+        for name, e in fresh.items():
+            if name not in self.endpoints:
+                self.endpoints[name] = e
+                self.on_added(e)
+        logger.info("endpoints: %s", ", ".join(self.endpoints))
+
+    async def _watch_file(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            self._reload_file()
+
+    async def _scrape_loop(self) -> None:
+        while True:
+            now = time.monotonic()
+            due = [e for e in self.endpoints.values() if e.healthy or e.retry_at <= now]
+            if due:
+                await asyncio.gather(*(self.scrape(e) for e in due))
+            await asyncio.sleep(self.scrape_interval)
+
+    async def scrape(self, e: Endpoint) -> None:
+        """One /metrics read doubles as the health check."""
+        assert self._session is not None
+        try:
+            async with self._session.get(
+                e.url + "/metrics", timeout=aiohttp.ClientTimeout(total=2.0)
+            ) as resp:
+                if resp.status != 200:
+                    raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+                load = parse_engine_load(await resp.text())
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            was = e.healthy
+            e.mark_failure(time.monotonic())
+            if was:
+                logger.warning("endpoint %s unhealthy", e.name)
+            return
+        if not e.healthy:
+            logger.info("endpoint %s healthy again", e.name)
+        e.mark_success()
+        e.waiting, e.running, e.kv_usage = load
+        e.last_scrape = time.monotonic()

@@ -1,0 +1,368 @@
+"""Prefix indexes: which endpoint caches which KV blocks.
+
+``PreciseIndex`` mirrors the engines' caches from their KV events (llm-d-kv-cache's in-memory
+index); ``ApproximateIndex`` remembers where the router itself sent each prefix (GIE's
+approx-prefix-cache). Both answer "how many consecutive leading blocks of this request does each
+endpoint hold", walking the request's block keys once while the set of still-matching endpoints
+shrinks, so a query costs O(blocks) dict lookups plus C-level set operations, not
+O(blocks x endpoints). Neither is thread-safe: the router calls them from one event loop.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+from kvmesh.protocol.hashing import block_hash_to_int
+from kvmesh.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+DEFAULT_MEDIUM_WEIGHTS: dict[str, float] = {"GPU": 1.0, "CPU": 0.8, "DISK": 0.5, "STORAGE": 0.5}
+
+# Measured with tracemalloc (tests/test_router_index.py) on CPython 3.11-3.13, 64-bit: one block
+# key held by one endpoint costs ~150 bytes (uint64 int ~36, OrderedDict slot + index + node ~110).
+# Holder objects are shared between blocks, so they add almost nothing per entry.
+_BYTES_PER_BLOCK = 150.0
+
+
+class _Holders:
+    """Who holds a block: endpoint -> bitmask of media. Interned and shared by many blocks.
+
+    Invariants: ``refs`` is the number of blocks pointing at this object; ``deficit`` holds
+    ``1 - weight`` for the endpoints whose best medium weighs other than 1.0; the index's
+    ``_views[key]`` is this object or an equal one (after remove_endpoint mutated it in place).
+    """
+
+    __slots__ = ("masks", "deficit", "key", "refs")
+
+    def __init__(self, masks: dict[str, int], key: frozenset, deficit: dict[str, float]) -> None:
+        self.masks = masks
+        self.key = key
+        self.deficit = deficit
+        self.refs = 0
+
+
+class PreciseIndex:
+    """What each endpoint caches, learnt from its KV events (engine block hash ints -> endpoint
+    -> media)."""
+
+    def __init__(
+        self,
+        capacity: int = 2_000_000,
+        medium_weights: dict[str, float] | None = None,
+        touch_on_match: bool = True,
+    ) -> None:
+        if capacity <= 0:
+            raise ValueError(f"capacity must be positive, got {capacity}")
+        self.capacity = capacity
+        self.touch_on_match = touch_on_match
+        weights = DEFAULT_MEDIUM_WEIGHTS if medium_weights is None else medium_weights
+        self._weights = {k.upper(): float(v) for k, v in weights.items()}
+        self._default_weight = self._weights.get("GPU", 1.0)  # unknown media count as GPU
+        self._bits: dict[str, int] = {}  # medium name -> one bit
+        self._bit_weight: list[float] = []
+        self._mask_weight: dict[int, float] = {}
+        # Blocks in LRU order (oldest first). A block may point at an emptied holder after
+        # remove_endpoint; such dead blocks count towards capacity but hold no entries.
+        self._blocks: OrderedDict[int, _Holders] = OrderedDict()
+        self._views: dict[frozenset, _Holders] = {}
+        self._by_endpoint: dict[str, set[_Holders]] = {}
+        self._empty = _Holders({}, frozenset(), {})  # never stored in _blocks
+        self._entries = 0  # sum of len(h.masks) over blocks: (block, endpoint) pairs
+
+    # ---- ingestion ------------------------------------------------------------------------
+    def apply(self, endpoint: str, batch: KVEventBatch) -> None:
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                self._store(endpoint, event.block_hashes, self._bit(event.medium))
+            elif isinstance(event, BlockRemoved):
+                self._remove(endpoint, event.block_hashes, self._bit(event.medium))
+            elif isinstance(event, AllBlocksCleared):
+                self.remove_endpoint(endpoint)
+        if self._entries > self.capacity or len(self._blocks) > self.capacity:
+            self._evict()
+
+    def _store(self, ep: str, hashes: Sequence[int | bytes], bit: int) -> None:
+        blocks, empty = self._blocks, self._empty
+        memo: dict[_Holders, _Holders] = {}  # old holder -> holder with (ep, bit) added
+        for h in hashes:
+            key = h if type(h) is int else block_hash_to_int(h)  # noqa: E721 - exact type on purpose
+            old = blocks.get(key)
+            if old is None:
+                old = empty
+            else:
+                blocks.move_to_end(key)
+            new = memo.get(old)
+            if new is None:
+                mask = old.masks.get(ep, 0)
+                new = old if mask & bit else self._derive(old, ep, mask | bit)
+                memo[old] = new
+            if new is not old:
+                self._entries += len(new.masks) - len(old.masks)
+                new.refs += 1
+                if old is not empty:
+                    self._release(old)
+                blocks[key] = new
+
+    def _remove(self, ep: str, hashes: Sequence[int | bytes], bit: int) -> None:
+        blocks, empty = self._blocks, self._empty
+        memo: dict[_Holders, _Holders] = {}
+        for h in hashes:
+            key = h if type(h) is int else block_hash_to_int(h)  # noqa: E721
+            old = blocks.get(key)
+            if old is None:
+                continue
+            new = memo.get(old)
+            if new is None:
+                mask = old.masks.get(ep, 0)
+                new = self._derive(old, ep, mask & ~bit) if mask & bit else old
+                memo[old] = new
+            if new is old:
+                continue
+            self._entries += len(new.masks) - len(old.masks)
+            self._release(old)
+            if new is empty:
+                del blocks[key]
+            else:
+                new.refs += 1
+                blocks[key] = new  # keeps its LRU position
+
+    def remove_endpoint(self, endpoint: str) -> None:
+        """Forget everything the endpoint holds: O(distinct holder sets), not O(blocks)."""
+        for h in self._by_endpoint.pop(endpoint, ()):
+            # Mutate in place: every block sharing h loses the endpoint at once.
+            if self._views.get(h.key) is h:
+                del self._views[h.key]
+            del h.masks[endpoint]
+            h.deficit.pop(endpoint, None)
+            self._entries -= h.refs
+            h.key = frozenset(h.masks.items())
+            if h.masks:
+                self._views.setdefault(h.key, h)
+
+    def _evict(self) -> None:
+        blocks = self._blocks
+        while self._entries > self.capacity or len(blocks) > self.capacity:
+            _, h = blocks.popitem(last=False)
+            self._entries -= len(h.masks)
+            self._release(h)
+
+    def _bit(self, medium: str | None) -> int:
+        name = "GPU" if medium is None else medium.upper()
+        bit = self._bits.get(name)
+        if bit is None:
+            bit = self._bits[name] = 1 << len(self._bits)
+            self._bit_weight.append(self._weights.get(name, self._default_weight))
+        return bit
+
+    def _weight(self, mask: int) -> float:
+        w = self._mask_weight.get(mask)
+        if w is None:
+            w = max(wt for i, wt in enumerate(self._bit_weight) if mask >> i & 1)
+            self._mask_weight[mask] = w
+        return w
+
+    def _derive(self, old: _Holders, ep: str, mask: int) -> _Holders:
+        """The interned holder equal to ``old`` with ``ep``'s mask set (0 removes ep)."""
+        masks = dict(old.masks)
+        if mask:
+            masks[ep] = mask
+        else:
+            masks.pop(ep, None)
+        if not masks:
+            return self._empty
+        key = frozenset(masks.items())
+        h = self._views.get(key)
+        if h is None:
+            deficit = {e: 1.0 - w for e, m in masks.items() if (w := self._weight(m)) != 1.0}
+            h = self._views[key] = _Holders(masks, key, deficit)
+            for e in masks:
+                self._by_endpoint.setdefault(e, set()).add(h)
+        return h
+
+    def _release(self, h: _Holders) -> None:
+        h.refs -= 1
+        if h.refs == 0:
+            if self._views.get(h.key) is h:
+                del self._views[h.key]
+            for e in h.masks:
+                holders = self._by_endpoint.get(e)
+                if holders is not None:
+                    holders.discard(h)
+
+    # ---- queries ----------------------------------------------------------------------------
+    def longest_match(
+        self, block_hashes: Sequence[int], endpoints: Iterable[str] | None = None
+    ) -> dict[str, float]:
+        """Per endpoint: sum over its consecutive leading held blocks of the best medium weight.
+
+        Endpoints without a hit may be absent. Blocks share interned holder objects, so weights
+        are charged per (holder, run of blocks) and subset checks run once per holder.
+        """
+        blocks = self._blocks
+        active: set[str] | None = None if endpoints is None else set(endpoints)
+        if active is not None and not active:
+            return {}
+        touch = blocks.move_to_end if self.touch_on_match else None
+        matched: dict[str, int] = {}  # endpoints that dropped out -> blocks they matched
+        deficit: dict[str, float] = {}  # endpoint -> sum of (1 - weight) over its matched blocks
+        pending: dict[_Holders, int] = {}  # blocks per holder (with deficits) since last shrink
+        superset: set[_Holders] = set()  # holders known to contain `active` (it only shrinks)
+        run_h: _Holders | None = None
+        run = n = 0  # run: blocks since run_h began; n: blocks matched by all of `active`
+        for key in block_hashes:
+            h = blocks.get(key)
+            if h is None:
+                break
+            if h is not run_h:
+                if run_h is not None and run_h.deficit:
+                    pending[run_h] = pending.get(run_h, 0) + run
+                run_h = None
+                if h not in superset:
+                    held = h.masks.keys()
+                    if active is None:
+                        active = set(held)
+                    elif not held >= active:
+                        _charge(deficit, pending, active)
+                        pending.clear()
+                        still = active & held
+                        for e in active - still:
+                            matched[e] = n
+                        active = still
+                    if not active:
+                        break
+                    superset.add(h)
+                run_h, run = h, 0
+            run += 1
+            n += 1
+            if touch is not None:
+                touch(key)
+        if run_h is not None and run_h.deficit:
+            pending[run_h] = pending.get(run_h, 0) + run
+        if active:
+            _charge(deficit, pending, active)
+            for e in active:
+                matched[e] = n
+        return {e: m - deficit.get(e, 0.0) for e, m in matched.items() if m}
+
+    def num_entries(self) -> int:
+        """(block, endpoint) pairs held; at most ``capacity``."""
+        return self._entries
+
+    def num_blocks(self) -> int:
+        return len(self._blocks)
+
+    def bytes_per_entry_estimate(self) -> float:
+        """Approximate heap bytes per (block, endpoint) entry (see _BYTES_PER_BLOCK)."""
+        holders = sum(200 + 100 * len(h.masks) for h in self._views.values())
+        total = _BYTES_PER_BLOCK * len(self._blocks) + holders
+        return total / max(1, self._entries) if self._entries else _BYTES_PER_BLOCK
+
+
+def _charge(deficit: dict[str, float], pending: dict[_Holders, int], active: set[str]) -> None:
+    """Add the deficits of ``pending`` runs to the endpoints that matched them (``active``)."""
+    for h, count in pending.items():
+        for e, d in h.deficit.items():
+            if e in active:
+                deficit[e] = deficit.get(e, 0.0) + d * count
+
+
+class ApproximateIndex:
+    """What each endpoint probably caches, learnt from the router's own past decisions
+    (GIE/llm-d approx-prefix-cache)."""
+
+    def __init__(self, capacity_per_endpoint: int = 31_250) -> None:
+        if capacity_per_endpoint <= 0:
+            raise ValueError(f"capacity_per_endpoint must be positive, got {capacity_per_endpoint}")
+        self.capacity_per_endpoint = capacity_per_endpoint
+        # key -> endpoints sent it. Values are interned frozensets shared by many keys;
+        # _canon[s] = [s, number of keys pointing at s].
+        self._pods: dict[int, frozenset[str]] = {}
+        self._canon: dict[frozenset[str], list] = {}
+        self._lru: dict[str, OrderedDict[int, None]] = {}  # per endpoint, oldest first
+        self._entries = 0  # sum of len(lru) == sum of len(pods[k])
+
+    def record(self, endpoint: str, block_keys: Sequence[int]) -> None:
+        lru = self._lru.get(endpoint)
+        if lru is None:
+            lru = self._lru[endpoint] = OrderedDict()
+        pods = self._pods
+        memo: dict[frozenset[str] | None, frozenset[str]] = {}
+        for key in block_keys:
+            if key in lru:
+                lru.move_to_end(key)
+                continue
+            lru[key] = None
+            self._entries += 1
+            old = pods.get(key)
+            new = memo.get(old)
+            if new is None:
+                new = memo[old] = self._intern(old | {endpoint} if old else frozenset((endpoint,)))
+            self._canon[new][1] += 1
+            if old is not None:
+                self._release(old)
+            pods[key] = new
+        while len(lru) > self.capacity_per_endpoint:
+            key, _ = lru.popitem(last=False)
+            self._drop(endpoint, key)
+
+    def remove_endpoint(self, endpoint: str) -> None:
+        for key in self._lru.pop(endpoint, ()):
+            self._drop(endpoint, key)
+
+    def _drop(self, endpoint: str, key: int) -> None:
+        old = self._pods[key]
+        self._entries -= 1
+        self._release(old)
+        if len(old) == 1:
+            del self._pods[key]
+        else:
+            new = self._intern(old - {endpoint})
+            self._canon[new][1] += 1
+            self._pods[key] = new
+
+    def _intern(self, s: frozenset[str]) -> frozenset[str]:
+        entry = self._canon.get(s)
+        if entry is None:
+            entry = self._canon[s] = [s, 0]
+        return entry[0]
+
+    def _release(self, s: frozenset[str]) -> None:
+        entry = self._canon[s]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._canon[s]
+
+    def longest_match(
+        self, block_keys: Sequence[int], endpoints: Iterable[str] | None = None
+    ) -> dict[str, int]:
+        """Consecutive leading blocks per endpoint; endpoints with none may be absent."""
+        pods = self._pods
+        active: set[str] | None = None if endpoints is None else set(endpoints)
+        if active is not None and not active:
+            return {}
+        counts: dict[str, int] = {}
+        prev: frozenset[str] | None = None
+        n = 0
+        for key in block_keys:
+            s = pods.get(key)
+            if s is None:
+                break
+            if s is not prev:
+                if active is None:
+                    active = set(s)
+                elif not s >= active:
+                    still = active & s
+                    for e in active - still:
+                        counts[e] = n
+                    active = still
+                if not active:
+                    break
+                prev = s
+            n += 1
+        for e in active or ():
+            counts[e] = n
+        return {e: c for e, c in counts.items() if c}
+
+    def num_entries(self) -> int:
+        """(block, endpoint) pairs recorded; at most capacity_per_endpoint per endpoint."""
+        return self._entries

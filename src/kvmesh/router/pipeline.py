@@ -1,0 +1,173 @@
+"""The scheduling pipeline: a profile handler runs profiles of filters, weighted scorers and a
+picker. A pure function of (request, endpoint states, indexes), shared by the HTTP router and the
+simulator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import yaml
+
+from kvmesh.router.endpoints import Endpoint
+from kvmesh.router.plugins import REGISTRY, PluginContext, SchedulingRequest, build_plugin
+
+PRESETS: dict[str, str] = {
+    "round-robin": """
+plugins: [{type: round-robin-picker}]
+schedulingProfiles: [{name: default, plugins: [{pluginRef: round-robin-picker}]}]
+""",
+    "random": """
+plugins: [{type: random-picker}]
+schedulingProfiles: [{name: default, plugins: [{pluginRef: random-picker}]}]
+""",
+    "load": """
+plugins: [{type: queue-scorer}, {type: kv-cache-utilization-scorer}, {type: active-request-scorer}]
+schedulingProfiles:
+- name: default
+  plugins: [{pluginRef: queue-scorer, weight: 2},
+            {pluginRef: kv-cache-utilization-scorer, weight: 2},
+            {pluginRef: active-request-scorer, weight: 1}]
+""",
+    "approx-prefix": """
+plugins: [{type: prefix-cache-scorer}, {type: queue-scorer}, {type: kv-cache-utilization-scorer}]
+schedulingProfiles:
+- name: default
+  plugins: [{pluginRef: prefix-cache-scorer, weight: 3}, {pluginRef: queue-scorer, weight: 2},
+            {pluginRef: kv-cache-utilization-scorer, weight: 2}]
+""",
+    "precise-prefix": """
+plugins: [{type: precise-prefix-cache-scorer}, {type: queue-scorer},
+          {type: kv-cache-utilization-scorer}]
+schedulingProfiles:
+- name: default
+  plugins: [{pluginRef: precise-prefix-cache-scorer, weight: 3},
+            {pluginRef: queue-scorer, weight: 2},
+            {pluginRef: kv-cache-utilization-scorer, weight: 2}]
+""",
+    # events say what is cached; the router's own recent decisions cover blocks whose events have
+    # not arrived yet; active requests spread load within a step; cold contexts spread by LRU
+    "kvmesh": """
+plugins:
+- {type: precise-prefix-cache-scorer}
+- {type: prefix-cache-scorer}
+- {type: queue-scorer}
+- {type: active-request-scorer}
+- {type: kv-cache-utilization-scorer}
+- {type: session-affinity-scorer}
+- {type: no-hit-lru-scorer}
+schedulingProfiles:
+- name: default
+  plugins:
+  - {pluginRef: precise-prefix-cache-scorer, weight: 3}
+  - {pluginRef: prefix-cache-scorer, weight: 1}
+  - {pluginRef: queue-scorer, weight: 1}
+  - {pluginRef: active-request-scorer, weight: 1}
+  - {pluginRef: kv-cache-utilization-scorer, weight: 1}
+  - {pluginRef: session-affinity-scorer, weight: 1}
+  - {pluginRef: no-hit-lru-scorer, weight: 1}
+""",
+}
+
+
+@dataclass(slots=True)
+class Profile:
+    name: str
+    filters: list[Any] = field(default_factory=list)
+    scorers: list[tuple[Any, float]] = field(default_factory=list)
+    picker: Any = None
+
+
+class ProfileResult(NamedTuple):
+    endpoint: Endpoint | None
+    totals: dict[str, float]
+    scores: dict[str, dict[str, float]]  # scorer name -> endpoint -> score in [0, 1]
+
+
+class SchedulingResult(NamedTuple):
+    primary: Endpoint | None
+    profiles: dict[str, ProfileResult]
+
+
+class SingleProfileHandler:
+    """Runs the only profile (or the one named `default`)."""
+
+    def __init__(self, profiles: dict[str, Profile]) -> None:
+        self.profile = profiles.get("default") or next(iter(profiles.values()))
+
+    def run(
+        self, pipeline: Pipeline, req: SchedulingRequest, endpoints: list[Endpoint]
+    ) -> SchedulingResult:
+        result = pipeline.run_profile(self.profile, req, endpoints)
+        return SchedulingResult(result.endpoint, {self.profile.name: result})
+
+
+class Pipeline:
+    def __init__(self, config: dict, ctx: PluginContext) -> None:
+        self.plugins: dict[str, Any] = {}
+        for spec in config.get("plugins") or []:
+            type_name = spec["type"]
+            name = spec.get("name") or type_name
+            self.plugins[name] = build_plugin(type_name, name, spec.get("parameters") or {}, ctx)
+        self.profiles: dict[str, Profile] = {}
+        for spec in config.get("schedulingProfiles") or [{"name": "default", "plugins": []}]:
+            profile = Profile(spec["name"])
+            for ref in spec.get("plugins") or []:
+                plugin = self.plugins.get(ref["pluginRef"])
+                if plugin is None:
+                    raise ValueError(
+                        f"profile {profile.name!r} references unknown plugin {ref['pluginRef']!r}"
+                    )
+                if hasattr(plugin, "pick"):
+                    profile.picker = plugin
+                elif hasattr(plugin, "score"):
+                    profile.scorers.append((plugin, float(ref.get("weight", 1.0))))
+                else:
+                    profile.filters.append(plugin)
+            if profile.picker is None:  # injected default, as llm-d's
+                profile.picker = build_plugin("max-score-picker", "max-score-picker", {}, ctx)
+            self.profiles[profile.name] = profile
+        self.handler = SingleProfileHandler(self.profiles)
+
+    @classmethod
+    def from_yaml(cls, text: str, ctx: PluginContext) -> Pipeline:
+        config = yaml.safe_load(text) or {}
+        if not isinstance(config, dict):
+            raise ValueError("scheduler config must be a YAML mapping (EndpointPickerConfig)")
+        return cls(config, ctx)
+
+    @classmethod
+    def preset(cls, name: str, ctx: PluginContext) -> Pipeline:
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; presets: {sorted(PRESETS)}")
+        return cls.from_yaml(PRESETS[name], ctx)
+
+    def uses(self, type_names: tuple[str, ...]) -> bool:
+        return any(type(p).__name__ in type_names for p in self.plugins.values())
+
+    def run_profile(
+        self, profile: Profile, req: SchedulingRequest, endpoints: list[Endpoint]
+    ) -> ProfileResult:
+        for f in profile.filters:
+            endpoints = f.filter(req, endpoints)
+        if not endpoints:
+            return ProfileResult(None, {}, {})
+        totals = dict.fromkeys((e.name for e in endpoints), 0.0)
+        scores: dict[str, dict[str, float]] = {}
+        for scorer, weight in profile.scorers:
+            s = scorer.score(req, endpoints)
+            scores[scorer.name] = s
+            for name, v in s.items():
+                totals[name] += weight * v
+        chosen = profile.picker.pick(totals, endpoints)
+        for scorer, _ in profile.scorers:
+            if hasattr(scorer, "chosen"):
+                scorer.chosen(req, chosen)
+        return ProfileResult(chosen, totals, scores)
+
+    def schedule(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> SchedulingResult:
+        return self.handler.run(self, req, endpoints)
+
+
+def known_plugin_types() -> list[str]:
+    return sorted(REGISTRY)

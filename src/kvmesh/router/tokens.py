@@ -1,0 +1,347 @@
+"""Prompt tokenization and block hashing for routing, cached for growing (agentic) prompts.
+
+An agent's next prompt is usually its last prompt plus more text, so both steps are cached:
+
+- **Text -> token ids.** Each encoded text is kept as a *run*: its ids and *cuts*, token
+  boundaries that fall on character boundaries. Runs are found through blake2b digests of text
+  prefixes: coarse ones every ``16 * chunk_chars`` characters over the whole text, fine ones every
+  ``chunk_chars`` after the coarse agreement point (that is where an extended text diverges). A
+  text that agrees with a run for ``a`` characters reuses the run's ids up to a cut ``c0`` safely
+  before ``a`` and encodes only ``text[c0:]``. Byte-level BPE pre-tokenisation is local, but this
+  is verified, not assumed: the fresh tail must reproduce the run's tokens from ``c0`` to the next
+  cut ``c1`` (the seam), and a non-space character must follow ``c0`` before the texts may differ
+  (whitespace runs are split by lookahead); otherwise the whole text is encoded.
+- **Token ids -> block hashes.** Each hashed sequence keeps its digests; a blake2b digest of its
+  token ids every ``hash_span`` blocks finds them again, so a known prefix costs no hashing.
+
+Not thread-safe: the router calls it from one event loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from bisect import bisect_right
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvmesh.protocol.hashing import BlockHasher, block_hash_to_int
+
+_PROBES = ("a", "hello world", "x = 1\n")
+_COARSE = 16  # fine chunks per coarse chunk
+
+
+def _utf8(s: str) -> bytes:
+    return s.encode("utf-8", "surrogatepass")
+
+
+@dataclass
+class TokenizerStats:
+    encodes: int = 0  # raw text encodes requested
+    exact_hits: int = 0  # whole text found in the cache
+    prefix_hits: int = 0  # cached prefix reused, only a tail encoded
+    full_encodes: int = 0  # encoded from the start (cold, short, or seam check failed)
+    seam_failures: int = 0
+    chars_encoded: int = 0  # characters actually passed to the tokenizer
+    blocks_hashed: int = 0  # block digests computed with the hash function
+    blocks_reused: int = 0  # block digests taken from the cache
+
+
+class _Run:
+    """One cached encoding of a text of ``length`` chars.
+
+    Invariants: ``cut_chars``/``cut_tokens`` ascend from (0, 0), and ``ids[:cut_tokens[i]]`` is
+    both the encoding of ``text[:cut_chars[i]]`` and a prefix of the whole text's encoding.
+    ``live`` counts the coarse checkpoints pointing at the run; at 0 (all overwritten by texts
+    that extend it) the run is dropped. ``digests`` lists every checkpoint it registered.
+    """
+
+    __slots__ = ("length", "ids", "cut_chars", "cut_tokens", "digests", "live")
+
+    def __init__(self, length: int, ids: list[int], cuts: tuple[list[int], list[int]]) -> None:
+        self.length = length
+        self.ids = array("I", ids)
+        self.cut_chars = array("Q", cuts[0])
+        self.cut_tokens = array("Q", cuts[1])
+        self.digests: list[bytes] = []
+        self.live = 0
+
+
+class PromptTokenizer:
+    """The router's tokenizer: exact engine token ids and block hashes, computed incrementally."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        block_size: int = 16,
+        hash_algo: str = "sha256",
+        cache_entries: int = 4096,
+        *,
+        cache_tokens: int = 4_000_000,
+        hash_cache_blocks: int = 262_144,
+        chunk_chars: int = 128,
+        cut_stride: int = 16,
+        hash_span: int = 16,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.block_size = block_size
+        self.hasher = BlockHasher(hash_algo, block_size)
+        self.cache_entries = cache_entries  # most runs (cached texts) kept
+        self.cache_tokens = cache_tokens  # most token ids kept over all runs
+        self.chunk = chunk_chars
+        self.cut_stride = cut_stride
+        self.hash_span = hash_span
+        self.max_spans = max(1, hash_cache_blocks // hash_span)
+        self.stats = TokenizerStats()
+        self._runs: OrderedDict[_Run, None] = OrderedDict()  # LRU, oldest first
+        self._ckpt: dict[bytes, _Run] = {}  # digest of a text prefix -> a run extending it
+        self._tokens = 0
+        # digest of (salt, lora, first k*hash_span blocks' ids) -> (digests, ints) of a sequence
+        # extending them; lists are shared and die with their last span.
+        self._spans: OrderedDict[bytes, tuple[list[bytes], list[int]]] = OrderedDict()
+        added = getattr(tokenizer, "get_added_vocab", dict)()
+        # Texts may differ right after the agreed prefix, and a special token that starts up to
+        # its length before that point may be matched in one text only: stay clear of both.
+        self._margin = 16 + max((len(t) for t in added), default=48)
+        self._cacheable = self._offsets_work()
+        self._specials = self._special_affixes()
+
+    # ---- public API -----------------------------------------------------------------------
+    def encode_completion(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """Exactly ``tokenizer.encode(prompt, add_special_tokens=add_special_tokens)``."""
+        if not add_special_tokens:
+            return self._encode_raw(prompt)
+        if self._specials is None:
+            self.stats.chars_encoded += len(prompt)
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        pre, post = self._specials
+        return pre + self._encode_raw(prompt) + post
+
+    def encode_chat(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """The chat template rendered to text, then encoded without special tokens (as vLLM and
+        the kvmesh engine do). Keys whose value is None are dropped, as the engine does."""
+        msgs = [
+            {k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
+            for m in messages
+        ]
+        text = self.tokenizer.apply_chat_template(
+            msgs,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **template_kwargs,
+        )
+        return self._encode_raw(text)
+
+    def block_keys(
+        self, token_ids: Sequence[int], cache_salt: str | None = None, lora_name: str | None = None
+    ) -> list[int]:
+        """The engine's block hashes of the full blocks, as KV-event ints."""
+        bs, n, st = self.block_size, len(token_ids) // self.block_size, self.stats
+        if n == 0:
+            return []
+        try:
+            raw = memoryview(array("I", token_ids[: n * bs]).tobytes())
+        except (OverflowError, TypeError):  # not uint32 ids: hash without the cache
+            st.blocks_hashed += n
+            digests = self.hasher.hash_blocks(
+                token_ids, 0, None, cache_salt=cache_salt, lora_name=lora_name
+            )
+            return [block_hash_to_int(d) for d in digests]
+        h = hashlib.blake2b(_utf8(repr((cache_salt, lora_name))), digest_size=16)
+        span = 4 * bs * self.hash_span
+        points = []
+        for a in range(span, len(raw) + 1, span):
+            h.update(raw[a - span : a])
+            points.append(h.digest())
+        spans, k = self._spans, len(points)
+        while k and points[k - 1] not in spans:
+            k -= 1
+        m = k * self.hash_span
+        digests, ints = (
+            (spans[points[k - 1]][0][:m], spans[points[k - 1]][1][:m]) if k else ([], [])
+        )
+        parent = digests[-1] if digests else None
+        fresh = self.hasher.hash_blocks(
+            token_ids[: n * bs], m, parent, cache_salt=cache_salt, lora_name=lora_name
+        )
+        digests += fresh
+        ints += [block_hash_to_int(d) for d in fresh]
+        st.blocks_hashed += len(fresh)
+        st.blocks_reused += m
+        entry = (digests, ints)
+        for p in points:  # re-register all: older, shorter lists are freed once unreferenced
+            spans.pop(p, None)
+            spans[p] = entry
+        while len(spans) > self.max_spans:
+            spans.popitem(last=False)
+        return list(ints)
+
+    def cache_info(self) -> dict[str, int]:
+        return {"runs": len(self._runs), "tokens": self._tokens, "hash_spans": len(self._spans)}
+
+    # ---- text cache -----------------------------------------------------------------------
+    def _encode_raw(self, text: str) -> list[int]:
+        st = self.stats
+        st.encodes += 1
+        if not self._cacheable or len(text) < self.chunk:
+            st.full_encodes += 1
+            st.chars_encoded += len(text)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        ckpt, fine_size = self._ckpt, self.chunk
+        coarse, states, final = self._coarse_digests(text)
+        run = ckpt.get(final)
+        if run is not None and run.length == len(text):  # equal digests: equal texts
+            st.exact_hits += 1
+            self._runs.move_to_end(run)
+            return run.ids.tolist()
+        k = len(coarse)
+        while k and coarse[k - 1] not in ckpt:
+            k -= 1
+        start = k * fine_size * _COARSE
+        fine, h = [], states[k]  # fine[i]: digest of text[:start + (i+1)*chunk]
+        for a in range(start, len(text) - fine_size + 1, fine_size):
+            h.update(_utf8(text[a : a + fine_size]))
+            fine.append(h.digest())
+        run, agree = (ckpt[coarse[k - 1]], start) if k else (None, 0)
+        for i in range(len(fine) - 1, -1, -1):
+            if fine[i] in ckpt:
+                run, agree = ckpt[fine[i]], start + (i + 1) * fine_size
+                break
+        hit = self._extend(text, run, agree) if run is not None else None
+        if hit is None:
+            st.full_encodes += 1
+            ids, cuts = self._encode_with_cuts(text, 0, 0)
+            cuts = ([0, *cuts[0]], [0, *cuts[1]])
+        else:
+            st.prefix_hits += 1
+            ids, cuts = hit
+        self._remember(_Run(len(text), ids, cuts), coarse, fine, final)
+        return ids
+
+    def _coarse_digests(self, text: str) -> tuple[list[bytes], list[Any], bytes]:
+        """Digests of text[:k*coarse] for k = 1.., the hasher state at each k (k = 0 too), and
+        the digest of the whole text."""
+        size = self.chunk * _COARSE
+        h = hashlib.blake2b(digest_size=16)
+        out, states = [], [h.copy()]
+        whole = len(text) - len(text) % size
+        for a in range(0, whole, size):
+            h.update(_utf8(text[a : a + size]))
+            out.append(h.digest())
+            states.append(h.copy())
+        h.update(_utf8(text[whole:]))
+        return out, states, h.digest()
+
+    def _extend(
+        self, text: str, run: _Run, agree: int
+    ) -> tuple[list[int], tuple[list[int], list[int]]] | None:
+        """Ids and cuts of ``text`` reusing ``run``, whose text starts with ``text[:agree]``;
+        None when no safe cut exists or the seam check fails."""
+        limit = agree - self._margin
+        cc, ct = run.cut_chars, run.cut_tokens
+        j = bisect_right(cc, limit) - 1  # c1 = cc[j] <= limit ends the seam window
+        while j >= 1 and text[cc[j - 1] : limit].isspace():
+            j -= 1  # a whitespace run from c0 may end differently in the two texts
+        if j < 1:
+            return None
+        c0, n0, n1 = cc[j - 1], ct[j - 1], ct[j]
+        tail, (tail_chars, tail_tokens) = self._encode_with_cuts(text[c0:], c0, n0)
+        if tail[: n1 - n0] != run.ids[n0:n1].tolist():
+            st = self.stats
+            st.seam_failures += 1
+            if st.seam_failures >= 8 and st.seam_failures > 4 * st.prefix_hits:
+                self._cacheable = False  # this tokenizer is not local (e.g. prepends a space)
+            return None
+        ids = run.ids[:n0].tolist()
+        ids += tail
+        return ids, (cc[:j].tolist() + tail_chars, ct[:j].tolist() + tail_tokens)
+
+    def _encode_with_cuts(
+        self, text: str, base_char: int, base_tok: int
+    ) -> tuple[list[int], tuple[list[int], list[int]]]:
+        """Ids of ``text`` and its cuts (about every cut_stride tokens), shifted by the bases."""
+        self.stats.chars_encoded += len(text)
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = enc["input_ids"], enc["offset_mapping"]
+        cut_chars: list[int] = []
+        cut_tokens: list[int] = []
+        stride, n = self.cut_stride, len(ids)
+        for t in range(stride, n, stride):
+            # A cut before token u is clean when u starts exactly where u-1 ends (tokens holding
+            # parts of one character overlap; trimmed offsets leave gaps).
+            for u in range(t, min(t + stride // 2, n)):
+                end = offsets[u - 1][1]
+                if end == offsets[u][0] and end > 0:
+                    cut_chars.append(base_char + end)
+                    cut_tokens.append(base_tok + u)
+                    break
+        return ids, (cut_chars, cut_tokens)
+
+    def _remember(self, run: _Run, coarse: list[bytes], fine: list[bytes], final: bytes) -> None:
+        ckpt = self._ckpt
+        for d in coarse:
+            old = ckpt.get(d)
+            ckpt[d] = run
+            run.live += 1
+            if old is not None:
+                old.live -= 1
+                if old.live == 0:  # every coarse checkpoint now leads to `run`
+                    self._drop(old)
+        for d in fine:
+            ckpt[d] = run
+        ckpt[final] = run
+        run.digests = [*coarse, *fine, final]
+        self._runs[run] = None
+        self._tokens += len(run.ids)
+        while len(self._runs) > 1 and (
+            len(self._runs) > self.cache_entries or self._tokens > self.cache_tokens
+        ):
+            self._drop(next(iter(self._runs)))
+
+    def _drop(self, run: _Run) -> None:
+        if run in self._runs:
+            del self._runs[run]
+            self._tokens -= len(run.ids)
+        ckpt = self._ckpt
+        for d in run.digests:
+            if ckpt.get(d) is run:
+                del ckpt[d]
+
+    # ---- probes -----------------------------------------------------------------------------
+    def _offsets_work(self) -> bool:
+        """Whether tokenizer(text, return_offsets_mapping=True) exists and agrees with encode."""
+        try:
+            for p in _PROBES:
+                enc = self.tokenizer(p, add_special_tokens=False, return_offsets_mapping=True)
+                ids = list(enc["input_ids"])
+                if ids != self.tokenizer.encode(p, add_special_tokens=False):
+                    return False
+                if len(enc["offset_mapping"]) != len(ids):
+                    return False
+        except Exception:  # slow tokenizers raise NotImplementedError; others may differ
+            return False
+        return True
+
+    def _special_affixes(self) -> tuple[list[int], list[int]] | None:
+        """(prefix, suffix) ids that add_special_tokens=True puts around any text, if fixed."""
+        found = set()
+        for p in _PROBES:
+            bare = self.tokenizer.encode(p, add_special_tokens=False)
+            full = self.tokenizer.encode(p, add_special_tokens=True)
+            at = [i for i in range(len(full) - len(bare) + 1) if full[i : i + len(bare)] == bare]
+            if len(at) != 1 or not bare:
+                return None
+            found.add((tuple(full[: at[0]]), tuple(full[at[0] + len(bare) :])))
+        if len(found) != 1:
+            return None
+        pre, post = found.pop()
+        return list(pre), list(post)

@@ -1,0 +1,137 @@
+"""Exact scores of each scheduling plugin, config parsing and presets."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.router.endpoints import Endpoint
+from kvmesh.router.pipeline import PRESETS, Pipeline
+from kvmesh.router.plugins import SchedulingRequest, build_plugin
+
+
+class Indexes:
+    """The two prefix indexes as plugins see them, with fixed answers."""
+
+    def __init__(self, precise=None, approx=None) -> None:
+        self.precise_index = type("P", (), {"longest_match": lambda s, k, e=None: precise or {}})()
+        self.approximate_index = type(
+            "A", (), {"longest_match": lambda s, k, e=None: approx or {}}
+        )()
+
+
+def eps(**load) -> list[Endpoint]:
+    out = []
+    for name, (waiting, kv, inflight) in load.items():
+        out.append(
+            Endpoint(
+                f"http://{name}:1", name=name, waiting=waiting, kv_usage=kv, in_flight=inflight
+            )
+        )
+    return out
+
+
+def req(nblocks: int = 4, headers=None) -> SchedulingRequest:
+    return SchedulingRequest(
+        "r", None, list(range(nblocks * 16)), list(range(nblocks)), headers or {}
+    )
+
+
+def score(type_name: str, endpoints, r=None, ctx=None, params=None):
+    plugin = build_plugin(type_name, type_name, params or {}, ctx or Indexes())
+    return plugin.score(r or req(), endpoints)
+
+
+def test_queue_scorer_min_max_normalised():
+    e = eps(a=(0, 0, 0), b=(5, 0, 0), c=(10, 0, 0))
+    assert score("queue-scorer", e) == {"a": 1.0, "b": 0.5, "c": 0.0}
+    assert score("queue-scorer", eps(a=(3, 0, 0), b=(3, 0, 0))) == {"a": 1.0, "b": 1.0}
+
+
+def test_kv_utilisation_and_load_aware():
+    e = eps(a=(0, 0.25, 0), b=(64, 1.0, 0), c=(300, 0.0, 0))
+    assert score("kv-cache-utilization-scorer", e) == {"a": 0.75, "b": 0.0, "c": 1.0}
+    assert score("load-aware-scorer", e) == {"a": 0.5, "b": 0.25, "c": 0.0}
+
+
+def test_active_request_and_token_load():
+    e = eps(a=(0, 0, 2), b=(0, 0, 6))
+    assert score("active-request-scorer", e) == {"a": 1.0, "b": 0.0}
+    e[0].in_flight_tokens, e[1].in_flight_tokens = 8192, 40000
+    assert score("token-load-scorer", e, params={"queueThresholdTokens": 32768}) == {
+        "a": 0.75,
+        "b": 0.0,
+    }
+
+
+def test_precise_and_approximate_prefix_ratio():
+    ctx = Indexes(precise={"a": 3.0, "b": 2.4}, approx={"b": 4})
+    e = eps(a=(0, 0, 0), b=(0, 0, 0), c=(0, 0, 0))
+    assert score("precise-prefix-cache-scorer", e, ctx=ctx) == {"a": 0.75, "b": 0.6, "c": 0.0}
+    assert score("prefix-cache-scorer", e, ctx=ctx) == {"a": 0.0, "b": 1.0, "c": 0.0}
+
+
+def test_session_affinity_binds_after_choice():
+    plugin = build_plugin("session-affinity-scorer", "s", {}, Indexes())
+    e = eps(a=(0, 0, 0), b=(0, 0, 0))
+    r = req(headers={"x-session-id": "agent-7"})
+    assert plugin.score(r, e) == {"a": 0.0, "b": 0.0}
+    plugin.chosen(r, e[1])
+    assert plugin.score(r, e) == {"a": 0.0, "b": 1.0}
+
+
+def test_no_hit_lru_spreads_cold_requests_and_is_neutral_when_warm():
+    plugin = build_plugin("no-hit-lru-scorer", "n", {}, Indexes())
+    e = eps(a=(0, 0, 0), b=(0, 0, 0), c=(0, 0, 0))
+    cold = req()
+    cold.precise, cold.approximate = {}, {}
+    plugin.chosen(cold, e[0])
+    plugin.chosen(cold, e[1])
+    assert plugin.score(cold, e) == {"c": 1.0, "a": 0.5, "b": 0.0}
+    warm = req()
+    warm.precise = {"a": 1.0}
+    assert plugin.score(warm, e) == {"a": 0.5, "b": 0.5, "c": 0.5}
+
+
+def test_filters():
+    e = eps(a=(0, 0, 0), b=(0, 0, 0), c=(0, 0, 0))
+    e[0].labels["llm-d.ai/role"] = "prefill"
+    e[1].labels["llm-d.ai/role"] = "decode"
+    decode = build_plugin("decode-filter", "d", {}, Indexes())
+    assert [x.name for x in decode.filter(req(), e)] == ["b", "c"]
+    sel = build_plugin(
+        "label-selector-filter", "l", {"matchLabels": {"llm-d.ai/role": "prefill"}}, Indexes()
+    )
+    assert [x.name for x in sel.filter(req(), e)] == ["a"]
+
+
+def test_weighted_pipeline_picks_best_total_and_reports_scores():
+    yaml_text = """
+plugins:
+- {type: queue-scorer}
+- {type: precise-prefix-cache-scorer, name: prefix}
+schedulingProfiles:
+- name: default
+  plugins: [{pluginRef: queue-scorer, weight: 1}, {pluginRef: prefix, weight: 3}]
+"""
+    ctx = Indexes(precise={"b": 4.0})
+    pipe = Pipeline.from_yaml(yaml_text, ctx)
+    e = eps(a=(0, 0, 0), b=(4, 0, 0))
+    result = pipe.schedule(req(), e)
+    assert result.primary.name == "b"
+    pr = result.profiles["default"]
+    assert pr.totals == {"a": 1.0, "b": 3.0}
+    assert pr.scores["prefix"] == {"a": 0.0, "b": 1.0}
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_build_and_pick(name):
+    pipe = Pipeline.preset(name, Indexes())
+    e = eps(a=(0, 0, 0), b=(1, 0.5, 1))
+    assert pipe.schedule(req(), e).primary.name in {"a", "b"}
+
+
+def test_bad_config_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown plugin type"):
+        Pipeline.from_yaml("plugins: [{type: nope}]", Indexes())
+    with pytest.raises(ValueError, match="unknown plugin"):
+        Pipeline.from_yaml("schedulingProfiles: [{name: d, plugins: [{pluginRef: x}]}]", Indexes())
