@@ -135,3 +135,23 @@ def test_bad_config_is_a_clear_error():
         Pipeline.from_yaml("plugins: [{type: nope}]", Indexes())
     with pytest.raises(ValueError, match="unknown plugin"):
         Pipeline.from_yaml("schedulingProfiles: [{name: d, plugins: [{pluginRef: x}]}]", Indexes())
+
+
+async def test_endpoint_backoff_and_loss_after_repeated_failures():
+    import aiohttp
+
+    from kvmesh.router.endpoints import LOST_AFTER, EndpointPool
+    from tests.helpers import free_port
+
+    e = Endpoint(f"http://127.0.0.1:{free_port()}/v1")
+    assert e.url.endswith(str(e.url.rsplit(":", 1)[1])) and not e.url.endswith("/v1")
+    lost: list[str] = []
+    pool = EndpointPool([e])
+    pool.on_lost = lost.append
+    async with aiohttp.ClientSession() as session:
+        pool._session = session
+        for i in range(LOST_AFTER):
+            await pool.scrape(e)
+            assert not e.healthy and e.failures == i + 1
+    assert lost == [e.name]
+    assert e.retry_at > 0 and pool.candidates() == []

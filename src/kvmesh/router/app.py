@@ -88,6 +88,10 @@ class Router:
         else:
             self.precise_index.remove_endpoint(name)
 
+    def _lost(self, name: str) -> None:
+        self.approximate_index.remove_endpoint(name)
+        self.precise_index.remove_endpoint(name)
+
     async def start(self) -> None:
         conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
         self.session = aiohttp.ClientSession(connector=conn, auto_decompress=False)
@@ -102,6 +106,7 @@ class Router:
             self.events.watch(e)
 
         self.pool.on_added = added
+        self.pool.on_lost = self._lost
         await self.pool.start(self.session)
 
     async def stop(self) -> None:

@@ -17,6 +17,7 @@ import yaml
 from kvmesh.protocol.prom import parse_engine_load
 
 logger = logging.getLogger(__name__)
+LOST_AFTER = 3
 
 
 @dataclass(slots=True, eq=False)
@@ -96,6 +97,7 @@ class EndpointPool:
         self.endpoints_file = endpoints_file
         self.on_removed = on_removed or (lambda name: None)
         self.on_added = lambda endpoint: None
+        self.on_lost = lambda name: None  # an endpoint failed LOST_AFTER checks in a row
         self._file_mtime = 0.0
         self._tasks: list[asyncio.Task] = []
         self._session: aiohttp.ClientSession | None = None
@@ -167,6 +169,8 @@ class EndpointPool:
             e.mark_failure(time.monotonic())
             if was:
                 logger.warning("endpoint %s unhealthy", e.name)
+            if e.failures == LOST_AFTER:  # gone: whatever it cached is no longer to be counted on
+                self.on_lost(e.name)
             return
         if not e.healthy:
             logger.info("endpoint %s healthy again", e.name)
