@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import logging
 import sys
 
@@ -283,10 +284,24 @@ def cmd_router(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench_engine(args: argparse.Namespace) -> int:
-    from kvmesh.bench.engine_bench import main as bench_main
-
-    return bench_main(args)
+BENCH_COMMANDS = {
+    "engine": (
+        "kvmesh.bench.engine_bench",
+        "Engine tokens/s at batch 1, 8, 32 vs HF transformers; TTFT cold vs cached.",
+    ),
+    "emulation": (
+        "kvmesh.bench.emulation_bench",
+        "Emulated engines' measured TTFT and ITL vs what their latency model predicts.",
+    ),
+    "router": (
+        "kvmesh.bench.router_bench",
+        "Router added latency, top rate and scheduling time vs sglang-router, vllm-router.",
+    ),
+    "fleet": (
+        "kvmesh.bench.fleet",
+        "One workload through each routing policy over the same emulated fleet.",
+    ),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -357,18 +372,26 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(rp, RouterConfig, ROUTER_HELP)
     rp.set_defaults(func=cmd_router)
 
-    bench = sub.add_parser("bench", help="Benchmarks.").add_subparsers(dest="bench", required=True)
-    be = bench.add_parser(
-        "engine",
-        help="Engine throughput vs HF transformers, and cached vs cold TTFT.",
-        description="Measures, in one run on the same prompts and threads: output tokens/s at "
-        "batch 1, 8 and 32 for the kvmesh engine and for HF transformers generate (batched and "
-        "one prompt at a time); TTFT of a long prompt cold and with its prefix cached.",
+    bench = sub.add_parser(
+        "bench",
+        help="Benchmarks: each compares against its baseline in one run and writes JSON and plots.",
     )
-    from kvmesh.bench.engine_bench import add_args
-
-    add_args(be)
-    be.set_defaults(func=cmd_bench_engine)
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    for name, (module_name, text) in BENCH_COMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:  # a benchmark module not in this checkout
+            if exc.name != module_name:
+                raise
+            continue
+        bp = bench_sub.add_parser(
+            name,
+            help=text,
+            description=(module.__doc__ or text).strip(),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_args(bp)
+        bp.set_defaults(func=module.main)
     return parser
 
 
