@@ -85,7 +85,7 @@ class PreciseIndex:
         blocks, empty = self._blocks, self._empty
         memo: dict[_Holders, _Holders] = {}  # old holder -> holder with (ep, bit) added
         for h in hashes:
-            key = h if type(h) is int else block_hash_to_int(h)  # noqa: E721 - exact type on purpose
+            key = h if type(h) is int else block_hash_to_int(h)
             old = blocks.get(key)
             if old is None:
                 old = empty
@@ -107,7 +107,7 @@ class PreciseIndex:
         blocks, empty = self._blocks, self._empty
         memo: dict[_Holders, _Holders] = {}
         for h in hashes:
-            key = h if type(h) is int else block_hash_to_int(h)  # noqa: E721
+            key = h if type(h) is int else block_hash_to_int(h)
             old = blocks.get(key)
             if old is None:
                 continue
@@ -147,9 +147,9 @@ class PreciseIndex:
             self._release(h)
 
     def _bit(self, medium: str | None) -> int:
-        name = "GPU" if medium is None else medium.upper()
+        name = "GPU" if medium is None or len(self._bits) >= 16 else medium.upper()
         bit = self._bits.get(name)
-        if bit is None:
+        if bit is None:  # at most 16 media (and "GPU"): masks stay small ints
             bit = self._bits[name] = 1 << len(self._bits)
             self._bit_weight.append(self._weights.get(name, self._default_weight))
         return bit

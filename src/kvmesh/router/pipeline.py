@@ -46,7 +46,8 @@ schedulingProfiles:
             {pluginRef: kv-cache-utilization-scorer, weight: 2}]
 """,
     # events say what is cached; the router's own recent decisions cover blocks whose events have
-    # not arrived yet; active requests spread load within a step; cold contexts spread by LRU
+    # not arrived yet; load outweighs prefix once the holder is the busiest (so a hot shared
+    # prefix spreads), and cold contexts spread by LRU
     "kvmesh": """
 plugins:
 - {type: precise-prefix-cache-scorer}
@@ -59,10 +60,10 @@ plugins:
 schedulingProfiles:
 - name: default
   plugins:
-  - {pluginRef: precise-prefix-cache-scorer, weight: 3}
+  - {pluginRef: precise-prefix-cache-scorer, weight: 2}
   - {pluginRef: prefix-cache-scorer, weight: 1}
-  - {pluginRef: queue-scorer, weight: 1}
-  - {pluginRef: active-request-scorer, weight: 1}
+  - {pluginRef: queue-scorer, weight: 2}
+  - {pluginRef: active-request-scorer, weight: 2}
   - {pluginRef: kv-cache-utilization-scorer, weight: 1}
   - {pluginRef: session-affinity-scorer, weight: 1}
   - {pluginRef: no-hit-lru-scorer, weight: 1}

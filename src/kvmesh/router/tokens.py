@@ -54,19 +54,29 @@ class _Run:
 
     Invariants: ``cut_chars``/``cut_tokens`` ascend from (0, 0), and ``ids[:cut_tokens[i]]`` is
     both the encoding of ``text[:cut_chars[i]]`` and a prefix of the whole text's encoding.
-    ``live`` counts the coarse checkpoints pointing at the run; at 0 (all overwritten by texts
-    that extend it) the run is dropped. ``digests`` lists every checkpoint it registered.
+    ``tail`` is the text after its last fine checkpoint; ``digests`` lists every checkpoint it
+    registered (some may since lead to newer runs).
     """
 
-    __slots__ = ("length", "ids", "cut_chars", "cut_tokens", "digests", "live")
+    __slots__ = ("length", "tail", "ids", "cut_chars", "cut_tokens", "digests")
 
-    def __init__(self, length: int, ids: list[int], cuts: tuple[list[int], list[int]]) -> None:
-        self.length = length
+    def __init__(self, text: str, chunk: int, ids: list[int], cuts: tuple[list, list]) -> None:
+        self.length = len(text)
+        self.tail = text[len(text) - len(text) % chunk :]
         self.ids = array("I", ids)
         self.cut_chars = array("Q", cuts[0])
         self.cut_tokens = array("Q", cuts[1])
         self.digests: list[bytes] = []
-        self.live = 0
+
+
+class _Seq:
+    """Block digests (and their event ints) of one hashed token sequence; ``points`` counts the
+    span checkpoints leading to it. Blocks of sequences with points > 0 count to the budget."""
+
+    __slots__ = ("digests", "ints", "points")
+
+    def __init__(self, digests: list[bytes], ints: list[int]) -> None:
+        self.digests, self.ints, self.points = digests, ints, 0
 
 
 class PromptTokenizer:
@@ -93,14 +103,13 @@ class PromptTokenizer:
         self.chunk = chunk_chars
         self.cut_stride = cut_stride
         self.hash_span = hash_span
-        self.max_spans = max(1, hash_cache_blocks // hash_span)
+        self.hash_cache_blocks = hash_cache_blocks  # most block digests kept
         self.stats = TokenizerStats()
         self._runs: OrderedDict[_Run, None] = OrderedDict()  # LRU, oldest first
         self._ckpt: dict[bytes, _Run] = {}  # digest of a text prefix -> a run extending it
         self._tokens = 0
-        # digest of (salt, lora, first k*hash_span blocks' ids) -> (digests, ints) of a sequence
-        # extending them; lists are shared and die with their last span.
-        self._spans: OrderedDict[bytes, tuple[list[bytes], list[int]]] = OrderedDict()
+        self._spans: OrderedDict[bytes, _Seq] = OrderedDict()  # span checkpoint -> sequence
+        self._span_blocks = 0
         added = getattr(tokenizer, "get_added_vocab", dict)()
         # Texts may differ right after the agreed prefix, and a special token that starts up to
         # its length before that point may be matched in one text only: stay clear of both.
@@ -158,7 +167,7 @@ class PromptTokenizer:
             return [block_hash_to_int(d) for d in digests]
         h = hashlib.blake2b(_utf8(repr((cache_salt, lora_name))), digest_size=16)
         span = 4 * bs * self.hash_span
-        points = []
+        points = []  # points[k-1]: digest of (salt, lora, ids of the first k spans)
         for a in range(span, len(raw) + 1, span):
             h.update(raw[a - span : a])
             points.append(h.digest())
@@ -166,27 +175,39 @@ class PromptTokenizer:
         while k and points[k - 1] not in spans:
             k -= 1
         m = k * self.hash_span
-        digests, ints = (
-            (spans[points[k - 1]][0][:m], spans[points[k - 1]][1][:m]) if k else ([], [])
-        )
-        parent = digests[-1] if digests else None
+        known = spans[points[k - 1]] if k else _Seq([], [])
+        digests, ints = known.digests[:m], known.ints[:m]
         fresh = self.hasher.hash_blocks(
-            token_ids[: n * bs], m, parent, cache_salt=cache_salt, lora_name=lora_name
+            token_ids[: n * bs],
+            m,
+            digests[-1] if digests else None,
+            cache_salt=cache_salt,
+            lora_name=lora_name,
         )
         digests += fresh
         ints += [block_hash_to_int(d) for d in fresh]
         st.blocks_hashed += len(fresh)
         st.blocks_reused += m
-        entry = (digests, ints)
-        for p in points:  # re-register all: older, shorter lists are freed once unreferenced
-            spans.pop(p, None)
-            spans[p] = entry
-        while len(spans) > self.max_spans:
-            spans.popitem(last=False)
+        if points:
+            seq = _Seq(digests, ints)
+            self._span_blocks += n
+            for p in points:  # re-register all: superseded sequences are freed
+                old = spans.pop(p, None)
+                if old is not None:
+                    self._unref(old)
+                spans[p] = seq
+                seq.points += 1
+            while self._span_blocks > self.hash_cache_blocks and spans:
+                self._unref(spans.popitem(last=False)[1])
         return list(ints)
 
+    def _unref(self, seq: _Seq) -> None:
+        seq.points -= 1
+        if seq.points == 0:
+            self._span_blocks -= len(seq.ints)
+
     def cache_info(self) -> dict[str, int]:
-        return {"runs": len(self._runs), "tokens": self._tokens, "hash_spans": len(self._spans)}
+        return {"runs": len(self._runs), "tokens": self._tokens, "hash_blocks": self._span_blocks}
 
     # ---- text cache -----------------------------------------------------------------------
     def _encode_raw(self, text: str) -> list[int]:
@@ -224,7 +245,10 @@ class PromptTokenizer:
         else:
             st.prefix_hits += 1
             ids, cuts = hit
-        self._remember(_Run(len(text), ids, cuts), coarse, fine, final)
+        aligned = run.length - len(run.tail) if run is not None else -1
+        if run is not None and agree >= aligned and text.startswith(run.tail, aligned):
+            self._drop(run)  # text extends the run's whole text: the run is redundant
+        self._remember(_Run(text, fine_size, ids, cuts), coarse, fine, final)
         return ids
 
     def _coarse_digests(self, text: str) -> tuple[list[bytes], list[Any], bytes]:
@@ -287,19 +311,10 @@ class PromptTokenizer:
         return ids, (cut_chars, cut_tokens)
 
     def _remember(self, run: _Run, coarse: list[bytes], fine: list[bytes], final: bytes) -> None:
-        ckpt = self._ckpt
-        for d in coarse:
-            old = ckpt.get(d)
-            ckpt[d] = run
-            run.live += 1
-            if old is not None:
-                old.live -= 1
-                if old.live == 0:  # every coarse checkpoint now leads to `run`
-                    self._drop(old)
-        for d in fine:
-            ckpt[d] = run
-        ckpt[final] = run
         run.digests = [*coarse, *fine, final]
+        ckpt = self._ckpt
+        for d in run.digests:
+            ckpt[d] = run
         self._runs[run] = None
         self._tokens += len(run.ids)
         while len(self._runs) > 1 and (

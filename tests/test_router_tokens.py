@@ -1,0 +1,236 @@
+"""The router's cached tokenizer: always equal to the uncached tokenizer and block hasher."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvmesh.protocol.hashing import BlockHasher, block_hash_to_int
+from kvmesh.router.tokens import PromptTokenizer
+
+FRAGMENTS = [
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|im_sta",
+    "rt|>",
+    "<file_sep>",
+    " ",
+    "  ",
+    "     ",
+    "\n",
+    "\n\n",
+    "\t",
+    " \n ",
+    "\r\n",
+    "\u00a0",
+    "\u2028",
+    "1234567",
+    "3.14159",
+    "héllo",
+    "😀",
+    "👩‍💻",
+    "日本語のテキスト",
+    "e\u0301",
+    "def f(x):",
+    "    return x",
+    "'s",
+    "Hello",
+    " world",
+    "ﬁ",
+    "{'k': [1, 2]}",
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from kvmesh.engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(None)[0]
+
+
+def ref_keys(ids, algo="sha256", block_size=16, **kw):
+    digests = BlockHasher(algo, block_size).hash_blocks(ids, 0, None, **kw)
+    return [block_hash_to_int(d) for d in digests]
+
+
+pieces = st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(max_size=12)), max_size=30).map(
+    "".join
+)
+histories = st.tuples(
+    pieces,
+    st.lists(
+        st.tuples(
+            st.integers(0, 100),  # which earlier text to continue
+            st.one_of(st.none(), st.floats(0.0, 1.0)),  # None: append; else keep a prefix
+            pieces,
+        ),
+        min_size=1,
+        max_size=8,
+    ),
+)
+
+
+@pytest.fixture(scope="module")
+def cached(tok):
+    # Small chunks and strides so that short texts exercise every cached path; the caches are
+    # shared by all examples, so texts also meet the runs of earlier examples.
+    return [
+        PromptTokenizer(tok, block_size=4, chunk_chars=8, cut_stride=2, hash_span=2),
+        PromptTokenizer(tok, chunk_chars=32, cut_stride=8, hash_span=4),
+    ]
+
+
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(history=histories, salt=st.sampled_from([None, "", "s1"]))
+def test_cached_results_always_equal_uncached(tok, cached, history, salt):
+    base, steps = history
+    texts = [base]
+    for pick, keep, piece in steps:
+        prev = texts[pick % len(texts)]
+        if keep is not None:
+            prev = prev[: int(len(prev) * keep)]
+        texts.append(prev + piece)
+    for text in texts:
+        expect = tok.encode(text, add_special_tokens=False)
+        for pt in cached:
+            ids = pt.encode_completion(text, add_special_tokens=False)
+            assert ids == expect, repr(text)
+            assert pt.encode_completion(text) == tok.encode(text, add_special_tokens=True)
+            want = ref_keys(ids, block_size=pt.block_size, cache_salt=salt)
+            assert pt.block_keys(ids, cache_salt=salt) == want
+
+
+def test_growing_context_encodes_and_hashes_only_the_tail(tok):
+    pt = PromptTokenizer(tok)
+    words = ["the", "cache", "keeps", "42", "blocks;", "déjà", "vu", "😀", "def", "run(x):\n"]
+    words += ["", "", "", "return", "x", "*", "2\n\n"]
+    history = [{"role": "system", "content": "You are a careful coding agent."}]
+    while sum(len(m["content"]) for m in history) < 20_000:
+        n = len(history)
+        body = " ".join(words[(n + i) % len(words)] for i in range(120))
+        history.append({"role": "user" if n % 2 else "assistant", "content": f"turn {n}: {body}"})
+    first = pt.encode_chat(history)
+    text1 = tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+    assert first == tok.encode(text1, add_special_tokens=False)
+    assert len(text1) > 20_000
+    keys1 = pt.block_keys(first)
+    assert keys1 == ref_keys(first)
+
+    history.append({"role": "assistant", "content": "Done. " + " ".join(words * 6)})
+    history.append({"role": "user", "content": "Now run the tests again, please."})
+    text2 = tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+    assert text2.startswith(text1)
+    before = (pt.stats.chars_encoded, pt.stats.blocks_hashed, pt.stats.blocks_reused)
+    t0 = time.perf_counter()
+    second = pt.encode_chat(history)
+    keys2 = pt.block_keys(second)
+    elapsed = time.perf_counter() - t0
+    assert second == tok.encode(text2, add_special_tokens=False)
+    assert keys2 == ref_keys(second)
+    tail_chars = len(text2) - len(text1)
+    chars = pt.stats.chars_encoded - before[0]
+    hashed = pt.stats.blocks_hashed - before[1]
+    new_blocks = len(second) // 16 - len(first) // 16
+    # Overlap re-encoded: below one fine chunk + margin + two cut strides (~350 chars here).
+    assert tail_chars <= chars <= tail_chars + 600, (chars, tail_chars)
+    # Blocks hashed: the new ones plus at most one hash span of already known blocks.
+    assert new_blocks <= hashed <= new_blocks + pt.hash_span, (hashed, new_blocks)
+    assert pt.stats.blocks_reused - before[2] >= len(first) // 16 - pt.hash_span
+    assert pt.stats.prefix_hits == 1 and pt.stats.seam_failures == 0
+    print(f"\nturn 2: {len(text2)} chars, {chars} encoded, {hashed} blocks hashed, {elapsed:.4f}s")
+
+    again = pt.encode_chat(history)  # an identical prompt (a retry) encodes nothing
+    assert again == second and pt.stats.exact_hits == 1
+    assert pt.stats.chars_encoded - before[0] == chars
+    assert pt.cache_info()["runs"] == 1  # the first turn's run was superseded and dropped
+
+
+def test_branching_and_unrelated_texts(tok):
+    pt = PromptTokenizer(tok, chunk_chars=32)
+    root = "System: be terse.\n" + "Shared context line with numbers 123456.\n" * 40
+    texts = [root + "Question A? " * 30, root + "Question B! " * 30, "x" * 500, root[:-7] + "  \n"]
+    for text in texts * 2:
+        ids = pt.encode_completion(text, add_special_tokens=False)
+        assert ids == tok.encode(text, add_special_tokens=False)
+        assert pt.block_keys(ids, lora_name="l1") == ref_keys(ids, lora_name="l1")
+    assert pt.stats.prefix_hits >= 2 and pt.stats.exact_hits == 4
+
+
+def test_block_keys_odd_ids_and_partial_blocks(tok):
+    pt = PromptTokenizer(tok, hash_algo="xxhash_cbor", block_size=8)
+    assert pt.block_keys([1, 2, 3]) == []
+    ids = list(range(100))
+    assert pt.block_keys(ids) == ref_keys(ids, "xxhash_cbor", 8)
+    assert pt.block_keys(ids[:50]) == ref_keys(ids[:50], "xxhash_cbor", 8)
+    big = [2**40, -1] + ids  # not uint32: hashed without the cache, still exact
+    assert pt.block_keys(big) == ref_keys(big, "xxhash_cbor", 8)
+
+
+def test_chat_drops_none_keys_like_the_engine(tok):
+    pt = PromptTokenizer(tok)
+    msgs = [{"role": "user", "content": "hi", "name": None}]
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=False
+    )
+    assert pt.encode_chat(msgs, add_generation_prompt=False) == tok.encode(
+        text, add_special_tokens=False
+    )
+
+
+class _Wrapped:
+    """A tokenizer built on the real one, with behaviours the cache must not be fooled by."""
+
+    def __init__(self, tok, prepend_space=False, offsets=True, bos=None):
+        self.tok, self.prepend, self.offsets, self.bos = tok, prepend_space, offsets, bos
+
+    def get_added_vocab(self):
+        return self.tok.get_added_vocab()
+
+    def encode(self, text, add_special_tokens=True):
+        ids = self.tok.encode((" " if self.prepend else "") + text, add_special_tokens=False)
+        return ([self.bos] if add_special_tokens and self.bos is not None else []) + ids
+
+    def __call__(self, text, add_special_tokens=True, return_offsets_mapping=False):
+        if not self.offsets:
+            raise NotImplementedError("slow tokenizer")
+        shift = 1 if self.prepend else 0
+        enc = self.tok(
+            (" " if self.prepend else "") + text,
+            add_special_tokens=False,
+            **{"return_offsets_mapping": True},
+        )
+        offs = [(max(0, s - shift), max(0, e - shift)) for s, e in enc["offset_mapping"]]
+        return {"input_ids": enc["input_ids"], "offset_mapping": offs}
+
+
+@pytest.mark.parametrize("kw", [{"prepend_space": True}, {"offsets": False}, {"bos": 0}], ids=str)
+def test_non_local_or_unusual_tokenizers_stay_exact(tok, kw):
+    fake = _Wrapped(tok, **kw)
+    pt = PromptTokenizer(fake, chunk_chars=16)
+    text = "word " * 20
+    for i in range(30):
+        text += f"turn{i} hello world\n"
+        assert pt.encode_completion(text, add_special_tokens=False) == fake.encode(text, False)
+        assert pt.encode_completion(text) == fake.encode(text, True)
+    if kw.get("prepend_space"):
+        assert pt.stats.seam_failures >= 8 and not pt._cacheable  # gave up caching
+    if kw.get("bos") is not None:
+        assert pt.stats.prefix_hits > 0
+
+
+def test_caches_stay_within_budgets(tok):
+    pt = PromptTokenizer(tok, cache_entries=3, cache_tokens=400, hash_cache_blocks=40)
+    shared = "A long shared system prompt, repeated. " * 20
+    for i in range(12):
+        text = shared + f"session {i}: " + "more words " * (i + 5)
+        ids = pt.encode_completion(text, add_special_tokens=False)
+        assert ids == tok.encode(text, add_special_tokens=False)
+        assert pt.block_keys(ids) == ref_keys(ids)
+        info = pt.cache_info()
+        assert info["runs"] <= 3 and info["hash_blocks"] <= 40
+        assert info["tokens"] <= 400 or info["runs"] == 1
