@@ -19,6 +19,9 @@ from kvmesh.engine.sequence import Request
 logger = logging.getLogger(__name__)
 
 
+CATCH_UP_S = 0.05
+
+
 class EngineOverloaded(Exception):
     """The waiting queue is full; the client should retry later."""
 
@@ -110,21 +113,24 @@ class AsyncEngine:
                 self._loop.call_soon_threadsafe(self._dispatch, outputs)
 
     async def _run_async(self) -> None:
-        """Steps on the event loop; each lasts the runner's predicted step time (deadline-based,
-        so the time spent scheduling counts towards it)."""
+        """Steps on the event loop, back to back on an ideal timeline: a step that follows
+        another starts at its predecessor's deadline, so time spent between steps (HTTP, SSE
+        writes, scheduling) is absorbed instead of adding up, as long as it is shorter than a
+        step. A timeline more than CATCH_UP_S behind the clock is restarted from now."""
         loop = asyncio.get_running_loop()
         assert self._async_wake is not None
+        deadline: float | None = None
         while not self._stopped:
             outputs = self._drain()
             if self.core.has_work():
-                start = loop.time()
+                now = loop.time()
+                start = deadline if deadline is not None and now - deadline < CATCH_UP_S else now
                 outputs.extend(self._step())
-                delay = start + self.core.runner.last_step_time - loop.time()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                else:
-                    await asyncio.sleep(0)  # let HTTP handlers run between steps
+                deadline = start + self.core.runner.last_step_time
+                delay = deadline - loop.time()
+                await asyncio.sleep(delay if delay > 0 else 0)  # 0: let handlers run
             elif not outputs:
+                deadline = None  # idle: the next step starts when work arrives
                 await self._async_wake.wait()
             if outputs:
                 self._dispatch(outputs)
