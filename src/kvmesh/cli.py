@@ -36,6 +36,9 @@ ENGINE_HELP = {
     "kv_events_config": "KV event publishing as vLLM's JSON, e.g. "
     '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
     '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'.',
+    "kv_transfer_config": "KV transfer as vLLM's JSON, e.g. '{\"kv_connector\": "
+    '"NixlConnector", "kv_role": "kv_both"}\': prefill engines hold blocks for '
+    "decode engines, which pull them (kv_transfer_params, as vLLM's NixlConnector).",
     "data_parallel_rank": "This engine's data-parallel rank (metrics label, event port offset).",
     "num_threads": "Torch CPU threads (default: all cores available).",
 }

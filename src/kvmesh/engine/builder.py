@@ -12,6 +12,7 @@ from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.core import EngineCore
 from kvmesh.engine.kv_cache_manager import KVCacheManager
+from kvmesh.engine.kv_transfer import KVTransferConfig
 from kvmesh.engine.metrics import EngineMetrics
 from kvmesh.engine.runner import ModelRunner
 from kvmesh.engine.scheduler import Scheduler, SchedulerConfig
@@ -81,6 +82,9 @@ def assemble(
         str(config.dtype),
     )
     core = EngineCore(Scheduler(sched_cfg, kv), runner, tokenizer, metrics, publisher.publish)
+    if config.kv_transfer_config:
+        core.transfer_config = KVTransferConfig.from_json(config.kv_transfer_config)
+        core.held.timeout = core.transfer_config.hold_timeout_s
     engine = AsyncEngine(core, config.max_waiting_requests)
     serving = OpenAIServing(
         engine, tokenizer, name, runner.max_model_len, eos_token_ids, config.max_logprobs

@@ -30,6 +30,7 @@ class EngineConfig:
     max_logprobs: int = 20
     seed: int = 0
     kv_events_config: str | None = None  # JSON as vLLM's --kv-events-config
+    kv_transfer_config: str | None = None  # JSON as vLLM's --kv-transfer-config (P/D)
     data_parallel_rank: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU
     extra: dict = field(default_factory=dict)

@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
 from kvmesh.engine.kv_cache_manager import KVCacheManager
+from kvmesh.engine.kv_transfer import (
+    HeldBlocks,
+    KVTransferConfig,
+    decode_payload,
+    encode_payload,
+    producer_params,
+)
 from kvmesh.engine.metrics import EngineMetrics
 from kvmesh.engine.runner import ModelRunner
 from kvmesh.engine.scheduler import Scheduler, SchedulerOutput
@@ -31,6 +39,7 @@ class RequestOutput:
     num_cached_tokens: int
     num_output_tokens: int
     error: str | None = None
+    kv_transfer_params: dict | None = None
 
 
 class EngineCore:
@@ -52,6 +61,9 @@ class EngineCore:
         self.last_token_time: dict[str, float] = {}
         self.num_steps = 0
         self.step_observer = None  # called after each step (emulation records predicted times)
+        self.transfer_config = KVTransferConfig(engine_id=uuid.uuid4().hex)
+        self.held = HeldBlocks(self.transfer_config.hold_timeout_s)
+        self.advertise = ("127.0.0.1", 0)  # host and port peers reach this engine at
 
     def add_request(self, request: Request) -> None:
         p = request.sampling
@@ -90,6 +102,8 @@ class EngineCore:
                 )
             for request in progressed:
                 outputs.append(self._process_token(request, now))
+        if self.held.held:
+            self.expire_held()
         self._record(out)
         self.publish_events(self.kv.take_events())
         return outputs
@@ -149,10 +163,71 @@ class EngineCore:
         return None
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
-        self.scheduler.finish(request, status)
+        keep = request.hold_for_remote and status in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+        )
+        blocks = self.scheduler.finish(request, status, keep_blocks=keep)
+        if keep and blocks is not None:
+            self._hold(request, blocks)
         self.runner.release(request.request_id)
         self.last_token_time.pop(request.request_id, None)
         self.metrics.request_finished(status.finish_reason or "abort")
+
+    # ---- P/D: the prefill side keeps blocks for the decode side to read -----------------
+    def _hold(self, request: Request, blocks) -> None:
+        """Keep the prompt's full blocks (the rest is released) and say where they are."""
+        n = min(request.num_prompt_tokens // self.kv.block_size, len(blocks))
+        self.kv.pool.free_blocks(reversed(blocks[n:]))
+        self.held.hold(
+            request.request_id, blocks[:n], request.block_hashes[:n], request.num_prompt_tokens
+        )
+        host, port = self.advertise
+        request.kv_transfer_params = producer_params(
+            self.transfer_config,
+            request.request_id,
+            [b.block_id for b in blocks[:n]],
+            host,
+            port,
+            request.num_prompt_tokens,
+        )
+
+    def export_held(self, request_id: str) -> bytes | None:
+        """The held blocks of a finished prefill as a payload; they are released once read."""
+        held = self.held.take(request_id)
+        if held is None:
+            return None
+        try:
+            data, meta = self.runner.export_blocks([b.block_id for b in held.blocks])
+        finally:
+            self.kv.pool.free_blocks(reversed(held.blocks))
+        return encode_payload(held.block_hashes, held.num_tokens, data, meta)
+
+    def import_payload(self, request: Request, payload: bytes) -> int:
+        """Write a peer's verified blocks into this cache as prefix-cache blocks; the number
+        of tokens that will not need computing. Never raises for a bad payload: recompute."""
+        try:
+            header, data = decode_payload(payload)
+            indices = self.kv.adopt_blocks(request, header["block_hashes"])
+            if not indices or len(indices) > self.kv.pool.num_free_blocks:
+                return 0
+            blocks = self.kv.pool.get_new_blocks(len(indices))
+            try:
+                self.runner.import_blocks([b.block_id for b in blocks], data, header, indices)
+            except (ValueError, RuntimeError) as exc:
+                logger.warning("KV import for %s failed (%s); recomputing", request.request_id, exc)
+                self.kv.pool.free_blocks(blocks)
+                return 0
+            self.kv.cache_imported(request, indices, blocks)
+            self.publish_events(self.kv.take_events())
+            return len(indices) * self.kv.block_size
+        except (ValueError, KeyError, TypeError) as exc:
+            logger.warning("bad KV payload for %s (%s); recomputing", request.request_id, exc)
+            return 0
+
+    def expire_held(self) -> None:
+        for held in self.held.expired():
+            self.kv.pool.free_blocks(reversed(held.blocks))
 
     def _output(self, request: Request, tokens, logprobs, text: str) -> RequestOutput:
         if request.is_finished:
@@ -168,6 +243,7 @@ class EngineCore:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             num_output_tokens=request.num_output_tokens,
+            kv_transfer_params=request.kv_transfer_params if request.is_finished else None,
         )
 
     def _record(self, out: SchedulerOutput) -> None:

@@ -141,6 +141,44 @@ class KVCacheManager:
         self.num_cached_blocks.pop(request.request_id, None)
         self.pool.free_blocks(reversed(blocks))
 
+    def detach(self, request: Request) -> list[KVCacheBlock]:
+        """Take a request's blocks out of its table without dropping their references."""
+        self.num_cached_blocks.pop(request.request_id, None)
+        return self.req_to_blocks.pop(request.request_id, [])
+
+    def adopt_blocks(self, request: Request, payload_hashes: list[bytes]) -> list[int]:
+        """Indices of the request's full blocks that a payload can fill: the leading blocks
+        whose hashes equal the request's own (at most all but the last token), minus those
+        already cached here."""
+        self.update_block_hashes(request)
+        limit = min(len(payload_hashes), (request.num_tokens - 1) // self.block_size)
+        verified = 0
+        while verified < limit and payload_hashes[verified] == request.block_hashes[verified]:
+            verified += 1
+        return [
+            i
+            for i in range(verified)
+            if self.pool.get_cached_block(request.block_hashes[i]) is None
+        ]
+
+    def cache_imported(
+        self, request: Request, indices: list[int], blocks: list[KVCacheBlock]
+    ) -> None:
+        """Register imported blocks as ordinary prefix-cache blocks (BlockStored included),
+        then release them: the request finds them like any cached prefix."""
+        by_index = dict(zip(indices, blocks, strict=True))
+        n = max(indices) + 1
+        row = [
+            by_index.get(i) or self.pool.get_cached_block(request.block_hashes[i]) for i in range(n)
+        ]
+        if any(b is None for b in row):  # a gap (evicted meanwhile): register what is whole
+            n = row.index(None)
+            row = row[:n]
+        self.pool.cache_full_blocks(
+            row, request.block_hashes, 0, n, request.all_token_ids, lora_name=request.lora_name
+        )
+        self.pool.free_blocks(reversed(blocks))
+
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 

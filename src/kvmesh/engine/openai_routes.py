@@ -122,6 +122,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         choices.append(Choice(i, ids))
     rid, created, name = f"cmpl-{base}", now_s(), serving.model_name
     headers = {"X-Request-Id": base}
+    await _transfer(serving, reqs[0], req.kv_transfer_params)
 
     def chunk(choice: Choice | None, out) -> dict:
         body = {
@@ -161,7 +162,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         "system_fingerprint": FINGERPRINT,
         "choices": [],
         "usage": serving.usage(choices),
-        "kv_transfer_params": None,
+        "kv_transfer_params": choices[0].kv_transfer_params,
     }
     for c in choices:
         body["choices"].append(
@@ -192,6 +193,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     reqs, choices = [serving.make_request(base, 0, ids, params, req)], [Choice(0, ids)]
     rid, created, name = f"chatcmpl-{base}", now_s(), serving.model_name
     headers = {"X-Request-Id": base}
+    await _transfer(serving, reqs[0], req.kv_transfer_params)
 
     def chunk(choice: Choice | None, out) -> dict:
         body = {
@@ -259,9 +261,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         ],
         "usage": serving.usage(choices),
         "prompt_token_ids": c.prompt_ids if req.return_token_ids else None,
-        "kv_transfer_params": None,
+        "kv_transfer_params": c.kv_transfer_params,
     }
     return web.Response(body=encode_json(body), content_type="application/json", headers=headers)
+
+
+async def _transfer(serving: OpenAIServing, request, params: dict | None) -> None:
+    """P/D: a prefill request holds its blocks; a decode request first pulls the prefill's."""
+    pull = serving.apply_transfer_params(request, params)
+    if pull is not None:
+        await serving.pull_remote(request, pull)
 
 
 def _raise_errors(choices: list[Choice]) -> None:

@@ -31,3 +31,13 @@ class ModelRunner(abc.ABC):
 
     def release(self, request_id: str) -> None:  # noqa: B027 - optional hook
         """Forget per-request state (e.g. seeded generators)."""
+
+    def export_blocks(self, block_ids: list[int]) -> tuple[bytes, dict]:
+        """The KV of these blocks as bytes, with what import_blocks needs to read them."""
+        raise NotImplementedError
+
+    def import_blocks(
+        self, block_ids: list[int], data: memoryview, meta: dict, select: list[int]
+    ) -> None:
+        """Write blocks select[i] of an exported payload into local block_ids[i]."""
+        raise NotImplementedError

@@ -195,17 +195,21 @@ class Scheduler:
                 progressed.append(request)
         return progressed
 
-    def finish(self, request: Request, status: RequestStatus) -> None:
-        """Move a request out of the scheduler and release its blocks (idempotent)."""
+    def finish(self, request: Request, status: RequestStatus, keep_blocks: bool = False):
+        """Move a request out of the scheduler and release its blocks (idempotent); with
+        keep_blocks, hand them to the caller still referenced instead."""
         if request.request_id not in self.requests:
-            return
+            return None
         del self.requests[request.request_id]
         if request in self.running:
             self.running.remove(request)
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
         request.status = status
+        if keep_blocks:
+            return self.kv.detach(request)
         self.kv.free(request)
+        return None
 
     @property
     def num_running(self) -> int:

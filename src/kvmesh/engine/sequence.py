@@ -94,6 +94,8 @@ class Request:
     stop_reason: int | str | None = None
     first_token_time: float | None = None
     first_scheduled_time: float | None = None
+    hold_for_remote: bool = False  # P/D prefill: keep the blocks for a decode engine to read
+    kv_transfer_params: dict | None = None  # what the response returns (prefill side)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

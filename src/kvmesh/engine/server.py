@@ -137,6 +137,16 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
+async def kv_transfer(request: web.Request) -> web.Response:
+    """The transfer route: a decode engine reads a finished prefill's blocks once."""
+    b: EngineBundle = request.app[BUNDLE]
+    rid = request.match_info["request_id"]
+    payload = await b.engine.call(lambda core: core.export_held(rid))
+    if payload is None:
+        raise APIError(f"No KV blocks are held for request {rid!r}.", 404)
+    return web.Response(body=payload, content_type="application/octet-stream")
+
+
 def build_app(bundle: EngineBundle) -> web.Application:
     middlewares = [error_middleware]
     if bundle.faults is not None:
@@ -158,6 +168,7 @@ def build_app(bundle: EngineBundle) -> web.Application:
     app.router.add_post("/detokenize", detokenize)
     app.router.add_post("/v1/completions", openai_routes.completions)
     app.router.add_post("/v1/chat/completions", openai_routes.chat_completions)
+    app.router.add_get("/kv_transfer/{request_id}", kv_transfer)
     if os.environ.get("VLLM_SERVER_DEV_MODE") == "1" or os.environ.get("KVMESH_DEV_MODE") == "1":
         app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
 
@@ -177,6 +188,8 @@ async def start_server(bundle: EngineBundle, host: str, port: int) -> web.AppRun
     runner = web.AppRunner(build_app(bundle), handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
+    port = runner.addresses[0][1]
+    bundle.engine.core.advertise = (host, port)  # where decode engines read held blocks
     logger.info("serving %s on http://%s:%d", bundle.model_name, host, port)
     return runner
 

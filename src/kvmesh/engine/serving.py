@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,6 +20,7 @@ from kvmesh.protocol.openai import (
 )
 
 _counter = itertools.count()
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -34,6 +36,7 @@ class Choice:
     stop_reason: int | str | None = None
     cached_tokens: int = 0
     error: str | None = None
+    kv_transfer_params: dict | None = None
 
 
 class OpenAIServing:
@@ -140,6 +143,39 @@ class OpenAIServing:
             cache_salt=req.cache_salt,
         )
 
+    # ---- P/D ----------------------------------------------------------------------------
+    def apply_transfer_params(self, request: Request, params: dict | None) -> dict | None:
+        """Mark a prefill (do_remote_decode); return the pull a decode must make first."""
+        if not params:
+            return None
+        if params.get("do_remote_decode"):
+            request.hold_for_remote = True
+        if params.get("do_remote_prefill") and params.get("remote_host"):
+            return params
+        return None
+
+    async def pull_remote(self, request: Request, params: dict, timeout: float = 30.0) -> int:
+        """Read a prefill engine's blocks and import them; tokens saved (0: recompute)."""
+        import aiohttp
+
+        url = (
+            f"http://{params['remote_host']}:{params['remote_port']}/kv_transfer/"
+            f"{params.get('remote_request_id') or ''}"
+        )
+        try:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp,
+            ):
+                if resp.status != 200:
+                    logger.warning("KV pull %s: HTTP %d; recomputing", url, resp.status)
+                    return 0
+                payload = await resp.read()
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            logger.warning("KV pull %s failed (%s); recomputing", url, exc)
+            return 0
+        return await self.engine.call(lambda core: core.import_payload(request, payload))
+
     # ---- running ----------------------------------------------------------------------
     async def run(self, requests: list[Request]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Yield (choice index, output) from all requests of one API call as they arrive."""
@@ -200,6 +236,7 @@ class OpenAIServing:
             choice.finish_reason = out.finish_reason
             choice.stop_reason = out.stop_reason
             choice.error = out.error
+            choice.kv_transfer_params = out.kv_transfer_params
 
 
 def msg_dict(m) -> dict:

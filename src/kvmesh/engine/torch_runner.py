@@ -93,3 +93,27 @@ class TorchRunner(ModelRunner):
 
     def release(self, request_id: str) -> None:
         self.sampler.forget(request_id)
+
+    @torch.inference_mode()
+    def export_blocks(self, block_ids: list[int]) -> tuple[bytes, dict]:
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        kv = torch.stack([cache[:, idx] for cache in self.kv_caches])  # [L, 2, n, bs, kvh, hd]
+        data = kv.contiguous().cpu().view(torch.uint8).numpy().tobytes()
+        return data, {"dtype": str(self.dtype).removeprefix("torch."), "shape": list(kv.shape)}
+
+    @torch.inference_mode()
+    def import_blocks(
+        self, block_ids: list[int], data: memoryview, meta: dict, select: list[int]
+    ) -> None:
+        shape = list(meta["shape"])
+        local = [len(self.kv_caches), *self.kv_caches[0].shape]
+        if (
+            meta.get("dtype") != str(self.dtype).removeprefix("torch.")
+            or shape[:2] + shape[3:] != local[:2] + local[3:]
+        ):
+            raise ValueError(f"KV layout {meta.get('dtype')} {shape} does not match {local}")
+        kv = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype).reshape(shape)
+        kv = kv[:, :, select].to(self.device)
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for layer, cache in enumerate(self.kv_caches):
+            cache[:, idx] = kv[layer]

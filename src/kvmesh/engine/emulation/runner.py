@@ -40,6 +40,8 @@ class EmulatedRunner(ModelRunner):
         self.max_model_len = min(max_model_len, num_blocks * block_size)
         self.slowdown = slowdown
         self.faults = None  # a FaultInjector whose slowdown applies on top, when set
+        spec = getattr(latency, "model", None)
+        self.kv_bytes_per_block = (spec.kv_bytes_per_token * block_size) if spec else 0
         self.filler = tokenizer.encode(FILLER_TEXT, add_special_tokens=False) or [0]
         self.last_step_time = 0.0
         self.predicted_time_total = 0.0
@@ -69,3 +71,10 @@ class EmulatedRunner(ModelRunner):
             logprobs = [(token, 0.0)] if req.sampling.logprobs is not None else None
             sampled[req.request_id] = (token, logprobs)
         return sampled
+
+    def export_blocks(self, block_ids: list[int]) -> tuple[bytes, dict]:
+        """No tensors here: the payload is empty and says how many bytes it stands for."""
+        return b"", {"emulated": True, "bytes": len(block_ids) * self.kv_bytes_per_block}
+
+    def import_blocks(self, block_ids, data, meta, select) -> None:
+        return None

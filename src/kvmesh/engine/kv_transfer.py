@@ -1,0 +1,120 @@
+"""KV block transfer between engines: prefill/decode disaggregation with vLLM's NixlConnector
+`kv_transfer_params` protocol, over kvmesh's own transfer route (HTTP on the engine's port).
+
+A prefill engine (do_remote_decode) keeps a finished request's blocks referenced until the decode
+engine reads them or a timeout passes. A decode engine (do_remote_prefill) reads them, checks each
+block against the hash of its own prompt tokens, and writes the verified ones into its KV cache as
+ordinary prefix-cache blocks; whatever did not arrive is recomputed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import msgspec
+
+from kvmesh.engine.block_pool import KVCacheBlock
+
+ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+class KVTransferConfig(msgspec.Struct, kw_only=True):
+    kv_connector: str = "NixlConnector"
+    kv_role: str = "kv_both"
+    engine_id: str = ""
+    kv_buffer_device: str | None = None
+    kv_port: int | None = None
+    kv_connector_extra_config: dict = {}
+    kv_load_failure_policy: str = "recompute"
+    hold_timeout_s: float = 480.0  # VLLM_NIXL_ABORT_REQUEST_TIMEOUT's default
+
+    @classmethod
+    def from_json(cls, text: str) -> KVTransferConfig:
+        try:
+            cfg = msgspec.json.decode(text, type=cls)
+        except msgspec.DecodeError as exc:
+            raise ValueError(f"invalid --kv-transfer-config {text!r}: {exc}") from None
+        if cfg.kv_role not in ROLES:
+            raise ValueError(f"--kv-transfer-config kv_role must be one of {ROLES}")
+        if not cfg.engine_id:
+            cfg.engine_id = uuid.uuid4().hex
+        return cfg
+
+
+@dataclass(slots=True)
+class HeldRequest:
+    request_id: str
+    blocks: list[KVCacheBlock]
+    block_hashes: list[bytes]
+    num_tokens: int
+    expires: float
+
+
+@dataclass(slots=True)
+class HeldBlocks:
+    """Blocks of finished prefill requests, kept referenced until read or expired."""
+
+    timeout: float = 480.0
+    held: dict[str, HeldRequest] = field(default_factory=dict)
+
+    def hold(self, request_id: str, blocks, block_hashes, num_tokens: int) -> None:
+        self.held[request_id] = HeldRequest(
+            request_id,
+            list(blocks),
+            list(block_hashes),
+            num_tokens,
+            time.monotonic() + self.timeout,
+        )
+
+    def take(self, request_id: str) -> HeldRequest | None:
+        return self.held.pop(request_id, None)
+
+    def expired(self, now: float | None = None) -> list[HeldRequest]:
+        now = time.monotonic() if now is None else now
+        gone = [h for h in self.held.values() if h.expires <= now]
+        for h in gone:
+            del self.held[h.request_id]
+        return gone
+
+
+def producer_params(
+    cfg: KVTransferConfig,
+    request_id: str,
+    block_ids: list[int],
+    host: str,
+    port: int,
+    num_tokens: int,
+) -> dict:
+    """What a prefill engine returns, as vLLM 0.32's NixlConnector does (one KV group)."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": cfg.engine_id,
+        "remote_block_ids": [block_ids],
+        "remote_host": host,
+        "remote_port": port,
+        "remote_request_id": request_id,
+        "remote_num_tokens": num_tokens,
+        "tp_size": 1,
+        "transfer_mode": "pull",
+    }
+
+
+def encode_payload(block_hashes: list[bytes], num_tokens: int, data: bytes, meta: dict) -> bytes:
+    """[4-byte header length][JSON header][raw KV bytes]."""
+    header = json.dumps(
+        {"block_hashes": [h.hex() for h in block_hashes], "num_tokens": num_tokens, **meta}
+    ).encode()
+    return len(header).to_bytes(4, "big") + header + data
+
+
+def decode_payload(payload: bytes) -> tuple[dict, memoryview]:
+    if len(payload) < 4:
+        raise ValueError("truncated KV payload")
+    n = int.from_bytes(payload[:4], "big")
+    header = json.loads(payload[4 : 4 + n])
+    header["block_hashes"] = [bytes.fromhex(h) for h in header["block_hashes"]]
+    return header, memoryview(payload)[4 + n :]
