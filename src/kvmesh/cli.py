@@ -233,6 +233,8 @@ ROUTER_HELP = {
     "index_capacity": "Most (block, endpoint) entries in the precise index.",
     "approx_capacity_per_endpoint": "Blocks remembered per endpoint by the approximate index.",
     "first_byte_timeout": "Seconds to wait for an endpoint's first byte.",
+    "prefill_max_retries": "P/D: prefill attempts beyond the first before the decode endpoint "
+    "prefills itself.",
 }
 
 

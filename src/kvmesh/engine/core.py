@@ -64,6 +64,7 @@ class EngineCore:
         self.transfer_config = KVTransferConfig(engine_id=uuid.uuid4().hex)
         self.held = HeldBlocks(self.transfer_config.hold_timeout_s)
         self.advertise = ("127.0.0.1", 0)  # host and port peers reach this engine at
+        self.last_import_seconds = 0.0  # modelled transfer time of the last import (emulation)
 
     def add_request(self, request: Request) -> None:
         p = request.sampling
@@ -220,6 +221,7 @@ class EngineCore:
                 return 0
             self.kv.cache_imported(request, indices, blocks)
             self.publish_events(self.kv.take_events())
+            self.last_import_seconds = self.runner.transfer_time(header, len(indices))
             return len(indices) * self.kv.block_size
         except (ValueError, KeyError, TypeError) as exc:
             logger.warning("bad KV payload for %s (%s); recomputing", request.request_id, exc)

@@ -41,3 +41,8 @@ class ModelRunner(abc.ABC):
     ) -> None:
         """Write blocks select[i] of an exported payload into local block_ids[i]."""
         raise NotImplementedError
+
+    def transfer_time(self, meta: dict, num_blocks: int) -> float:
+        """Seconds an imported payload should have taken to arrive (emulation models it)."""
+        return 0.0
+

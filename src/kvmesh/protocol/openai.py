@@ -59,8 +59,9 @@ def completion_prompts(prompt: str | list[Any]) -> list[str | list[int]]:
         if isinstance(p, str) or isinstance(p, list) and p and all(isinstance(t, int) for t in p):
             out.append(p)
         else:
-            raise APIError("prompt must be a string, a list of token ids, or a list of either.",
-                           param="prompt")
+            raise APIError(
+                "prompt must be a string, a list of token ids, or a list of either.", param="prompt"
+            )
     if not out:
         raise APIError("The prompt is empty.", param="prompt")
     return out

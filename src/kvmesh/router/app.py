@@ -20,11 +20,20 @@ from kvmesh.router.endpoints import Endpoint, EndpointPool
 from kvmesh.router.events import EventIngest
 from kvmesh.router.index import ApproximateIndex, PreciseIndex
 from kvmesh.router.metrics import RouterMetrics
-from kvmesh.router.pipeline import Pipeline
+from kvmesh.router.pd import prefill_remotely
+from kvmesh.router.pipeline import Pipeline, SchedulingResult
 from kvmesh.router.plugins import SchedulingRequest
 
 logger = logging.getLogger(__name__)
 decisions = logging.getLogger("kvmesh.router.decisions")
+PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server"}
 
 
@@ -44,6 +53,7 @@ class RouterConfig:
     index_capacity: int = 2_000_000
     approx_capacity_per_endpoint: int = 31_250
     first_byte_timeout: float = 600.0
+    prefill_max_retries: int = 0  # P/D: prefill attempts beyond the first before falling back
 
 
 class ChatFields(msgspec.Struct):
@@ -143,7 +153,7 @@ class Router:
         hdrs = {k.lower(): v for k, v in headers.items()}
         return SchedulingRequest(rid, fields.model, ids, keys, hdrs, self.config.block_size)
 
-    def pick(self, req: SchedulingRequest, exclude: set[str]) -> Endpoint | None:
+    def pick(self, req: SchedulingRequest, exclude: set[str]) -> SchedulingResult | None:
         candidates = [e for e in self.pool.candidates() if e.name not in exclude]
         if not candidates:
             return None
@@ -158,7 +168,7 @@ class Router:
                     pr.totals,
                     pr.scores,
                 )
-        return result.primary
+        return result if result.primary is not None else None
 
     # ---- HTTP -----------------------------------------------------------------------------
     async def handle_inference(self, request: web.Request) -> web.StreamResponse:
@@ -172,15 +182,19 @@ class Router:
             return _error(f"Could not tokenize the request: {exc}", 400)
         tried: set[str] = set()
         for attempt in range(self.config.max_retries + 1):
-            endpoint = self.pick(req, tried)
+            result = self.pick(req, tried)
             if attempt == 0:
                 self.metrics.scheduling.observe(time.perf_counter() - t0)
-            if endpoint is None:
+            if result is None:
                 break
+            endpoint = result.primary
             tried.add(endpoint.name)
             if attempt:
                 self.metrics.retries.inc()
-            resp = await self._forward(request, body, req, endpoint)
+            send = body
+            if result.prefill is not None:
+                send = await prefill_remotely(self, request.path, body, req, result.prefill)
+            resp = await self._forward(request, send, req, endpoint)
             if resp is not None:
                 return resp
         return _error("No healthy endpoint could serve the request.", 503, {"Retry-After": "1"})

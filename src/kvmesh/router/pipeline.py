@@ -68,6 +68,25 @@ schedulingProfiles:
   - {pluginRef: session-affinity-scorer, weight: 1}
   - {pluginRef: no-hit-lru-scorer, weight: 1}
 """,
+    # selective P/D over endpoints labelled llm-d.ai/role: prefill | decode | both
+    "pd": """
+plugins:
+- {type: disagg-profile-handler, parameters: {nonCachedTokens: 256}}
+- {type: decode-filter}
+- {type: prefill-filter}
+- {type: precise-prefix-cache-scorer}
+- {type: prefix-cache-scorer}
+- {type: queue-scorer}
+- {type: active-request-scorer}
+schedulingProfiles:
+- name: decode
+  plugins: [{pluginRef: decode-filter}, {pluginRef: precise-prefix-cache-scorer, weight: 2},
+            {pluginRef: prefix-cache-scorer, weight: 1}, {pluginRef: queue-scorer, weight: 2},
+            {pluginRef: active-request-scorer, weight: 2}]
+- name: prefill
+  plugins: [{pluginRef: prefill-filter}, {pluginRef: precise-prefix-cache-scorer, weight: 2},
+            {pluginRef: queue-scorer, weight: 2}, {pluginRef: active-request-scorer, weight: 2}]
+""",
 }
 
 
@@ -86,8 +105,9 @@ class ProfileResult(NamedTuple):
 
 
 class SchedulingResult(NamedTuple):
-    primary: Endpoint | None
+    primary: Endpoint | None  # the endpoint that answers (decode, under P/D)
     profiles: dict[str, ProfileResult]
+    prefill: Endpoint | None = None  # set when the prompt is prefilled elsewhere first
 
 
 class SingleProfileHandler:
@@ -103,12 +123,53 @@ class SingleProfileHandler:
         return SchedulingResult(result.endpoint, {self.profile.name: result})
 
 
+class DisaggProfileHandler:
+    """llm-d's decode-first P/D: pick the decode endpoint, then run the prefill profile only
+    when the prompt tokens it lacks reach `nonCachedTokens` (0: always)."""
+
+    def __init__(self, profiles: dict[str, Profile], ctx, params: dict) -> None:
+        self.decode = profiles[params.get("decodeProfile", "decode")]
+        self.prefill = profiles.get(params.get("prefillProfile", "prefill"))
+        self.threshold = int(params.get("nonCachedTokens", 0))
+        self.ctx = ctx
+
+    def uncached_tokens(self, req: SchedulingRequest, endpoint: Endpoint) -> int:
+        if req.precise is None:
+            req.precise = self.ctx.precise_index.longest_match(req.block_keys, [endpoint.name])
+        if req.approximate is None:
+            req.approximate = self.ctx.approximate_index.longest_match(
+                req.block_keys, [endpoint.name]
+            )
+        blocks = max(req.precise.get(endpoint.name, 0), req.approximate.get(endpoint.name, 0))
+        return max(0, len(req.token_ids) - int(blocks) * req.block_size)
+
+    def run(
+        self, pipeline: Pipeline, req: SchedulingRequest, endpoints: list[Endpoint]
+    ) -> SchedulingResult:
+        d = pipeline.run_profile(self.decode, req, endpoints)
+        results = {self.decode.name: d}
+        if d.endpoint is None or self.prefill is None:
+            return SchedulingResult(d.endpoint, results)
+        if self.uncached_tokens(req, d.endpoint) < max(self.threshold, 1):
+            return SchedulingResult(d.endpoint, results)
+        p = pipeline.run_profile(self.prefill, req, [e for e in endpoints if e is not d.endpoint])
+        results[self.prefill.name] = p
+        return SchedulingResult(d.endpoint, results, p.endpoint)
+
+
+HANDLERS = {"single-profile-handler": None, "disagg-profile-handler": DisaggProfileHandler}
+
+
 class Pipeline:
     def __init__(self, config: dict, ctx: PluginContext) -> None:
         self.plugins: dict[str, Any] = {}
+        handler_spec: tuple[str, dict] | None = None
         for spec in config.get("plugins") or []:
             type_name = spec["type"]
             name = spec.get("name") or type_name
+            if type_name in HANDLERS:
+                handler_spec = (type_name, spec.get("parameters") or {})
+                continue
             self.plugins[name] = build_plugin(type_name, name, spec.get("parameters") or {}, ctx)
         self.profiles: dict[str, Profile] = {}
         for spec in config.get("schedulingProfiles") or [{"name": "default", "plugins": []}]:
@@ -128,7 +189,13 @@ class Pipeline:
             if profile.picker is None:  # injected default, as llm-d's
                 profile.picker = build_plugin("max-score-picker", "max-score-picker", {}, ctx)
             self.profiles[profile.name] = profile
-        self.handler = SingleProfileHandler(self.profiles)
+        if handler_spec and handler_spec[0] == "disagg-profile-handler":
+            try:
+                self.handler = DisaggProfileHandler(self.profiles, ctx, handler_spec[1])
+            except KeyError as exc:
+                raise ValueError(f"disagg-profile-handler needs a profile named {exc}") from None
+        else:
+            self.handler = SingleProfileHandler(self.profiles)
 
     @classmethod
     def from_yaml(cls, text: str, ctx: PluginContext) -> Pipeline:

@@ -42,6 +42,7 @@ class EmulatedRunner(ModelRunner):
         self.faults = None  # a FaultInjector whose slowdown applies on top, when set
         spec = getattr(latency, "model", None)
         self.kv_bytes_per_block = (spec.kv_bytes_per_token * block_size) if spec else 0
+        self.transfer_bandwidth = 25e9  # bytes/s between engines (an RDMA NIC class link)
         self.filler = tokenizer.encode(FILLER_TEXT, add_special_tokens=False) or [0]
         self.last_step_time = 0.0
         self.predicted_time_total = 0.0
@@ -78,3 +79,7 @@ class EmulatedRunner(ModelRunner):
 
     def import_blocks(self, block_ids, data, meta, select) -> None:
         return None
+
+    def transfer_time(self, meta: dict, num_blocks: int) -> float:
+        return num_blocks * self.kv_bytes_per_block / self.transfer_bandwidth
+

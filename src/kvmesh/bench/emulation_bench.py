@@ -1,0 +1,399 @@
+"""`kvmesh bench emulation`: how faithfully emulated engines reproduce their latency model.
+
+Emulated engines (`kvmesh serve --emulate N`) sleep for the step time a roofline model predicts
+and record, per request, the TTFT and inter-token latencies (ITL) that model predicts
+(`GET /admin/timing`, cumulative). This bench starts them as subprocesses, drives a closed loop
+of streaming /v1/completions from this process, and compares what the client measured with the
+predictions over the same phase (snapshot differences), at a light and at a heavy load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+TARGET = 0.10  # |measured / predicted - 1| within this is faithful
+URL_RE = re.compile(r"(http://[\w.\-]+:\d+)/v1")
+WORDS = (  # noqa: SIM905
+    "the of and to in is was for that with as on by at from they this which had are not be one"
+    " all were we when there can an your said if do will each about how up out them then she many"
+    " some so these would other into has more two like him see time could no make than first been"
+).split()
+EPILOG = """What is measured, per load level (light, then heavy), per engine and overall:
+  TTFT  client: send -> first content chunk; predicted: time of every step from the request's
+        arrival to its first token (incl. the rest of the step in flight), by the latency model.
+  ITL   client: time between consecutive content chunks of a stream; predicted: time of the
+        step that produced each later token.
+Means over all requests / token gaps of a phase, predictions from GET /admin/timing snapshots
+taken before and after it; the ratio measured/predicted should lie within 1 +/- 10%. Closed
+loop: each stream sends its next request (random prompt of 200-500 words ~ tokens, max_tokens
+64-128, ignore_eos) when the last ends. To show where time goes when a ratio drifts: wall time
+per engine step vs the predicted step, CPU of the engine process(es), of this client and of the
+whole machine, and this client's event-loop lag. Output: emulation.json and emulation.png."""
+FLAGS = (  # flag, type, default, help
+    ("--engines", int, 16, "Engines at heavy load."),
+    ("--streams", int, 50, "Concurrent streams per engine at heavy load."),
+    ("--duration", float, 20.0, "Seconds of load per phase (requests in flight then finish)."),
+    ("--light-engines", int, 2, "Engines at light load."),
+    ("--light-streams", int, 2, "Concurrent streams per engine at light load."),
+    ("--gpu", str, "h100", "Emulated accelerator (kvmesh serve --emulate-gpu)."),
+    ("--model", str, "llama-3.1-8b", "Emulated model (kvmesh serve --emulate-model)."),
+    ("--engine-procs", int, 1, "Engine processes the engines are split over."),
+    ("--port", int, 0, "First engine port; 0: free ports chosen by the OS."),
+    ("--seed", int, 0, "Seed of the prompts and lengths."),
+    ("--out", Path, Path("bench-results/emulation"), "Output directory."),
+)
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    text = parser.description or __doc__.split("\n\n")[1]
+    parser.description = textwrap.fill(" ".join(text.split()), 95)
+    parser.epilog, parser.formatter_class = EPILOG, argparse.RawDescriptionHelpFormatter
+    for flag, kind, default, text in FLAGS:
+        parser.add_argument(flag, type=kind, default=default, help=f"{text} [default: {default}]")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="CI-sized: heavy 2 engines x 2 streams, light 1 x 1, 3 s.",
+    )
+
+
+def start_engines(args: argparse.Namespace, count: int, streams: int) -> tuple[list, list[str]]:
+    """`kvmesh serve --emulate n` in --engine-procs processes; their base URLs once printed."""
+    nprocs = max(1, min(args.engine_procs, count))
+    counts = [count // nprocs + (j < count % nprocs) for j in range(nprocs)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    procs, logs = [], []
+    for j, n in enumerate(counts):
+        port = args.port + sum(counts[:j]) if args.port else 0
+        cmd = [sys.executable, "-m", "kvmesh.cli", "serve", "--emulate", str(n), "--host"]
+        cmd += ["127.0.0.1", "--port", str(port), "--emulate-gpu", args.gpu, "--emulate-model"]
+        cmd += [args.model, "--max-num-seqs", str(max(64, streams))]
+        logs.append(args.out / f"engines-{j}.log")
+        with open(logs[-1], "wb") as log:
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
+    deadline = time.monotonic() + 300
+    while True:
+        found = [URL_RE.findall(p.read_text(errors="replace")) for p in logs]
+        if all(len(u) >= n for u, n in zip(found, counts, strict=True)):
+            return procs, [u for us, n in zip(found, counts, strict=True) for u in us[:n]]
+        dead = [g for p, g in zip(procs, logs, strict=True) if p.poll() is not None]
+        if dead or time.monotonic() > deadline:
+            stop_engines(procs)
+            log = (dead or logs)[0].read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"emulated engines did not start:\n{log}")
+        time.sleep(0.2)
+
+
+def stop_engines(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        p.terminate()  # a no-op once it has exited
+    for p in procs:
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux /proc; NaN elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return math.nan
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_cpu() -> tuple[float, float]:
+    """(busy, total) jiffies of all CPUs (Linux /proc/stat; NaN elsewhere)."""
+    try:
+        ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    except OSError:
+        return math.nan, math.nan
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
+
+
+@dataclass(slots=True)
+class Stat:
+    """What the client saw from one engine in one phase."""
+
+    requests: int = 0
+    errors: int = 0
+    ttft_sum: float = 0.0
+    itl_sum: float = 0.0
+    itl_n: int = 0
+    last_error: str = ""
+
+
+def token_event(data: bytes) -> bool:
+    """Whether an SSE data payload is a chunk with a choice (a token), not the usage chunk."""
+    i = data.find(b'"choices"')
+    rest = data[i + 9 :].lstrip(b" :") if i >= 0 else b""
+    return rest[:1] == b"[" and rest[1:].lstrip()[:1] != b"]"
+
+
+async def one_request(http: aiohttp.ClientSession, url: str, body: dict, stat: Stat) -> None:
+    """One streamed completion; a chunk's time is when its bytes were read off the socket."""
+    t0 = time.perf_counter()
+    first = last = gap_sum = 0.0
+    gaps, buf, done = 0, b"", False
+    async with http.post(f"{url}/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
+        async for part in resp.content.iter_any():
+            now = time.perf_counter()
+            *events, buf = (buf + part).split(b"\n\n")
+            for line in (ln for ev in events for ln in ev.splitlines()):
+                data = line[5:].strip() if line.startswith(b"data:") else b""
+                if data == b"[DONE]":
+                    done = True
+                elif data.startswith(b'{"error"'):
+                    raise RuntimeError(data[:300].decode(errors="replace"))
+                elif token_event(data):
+                    if first:
+                        gaps, gap_sum = gaps + 1, gap_sum + now - last
+                    first, last = first or now, now
+            if done:
+                break
+    if not first:
+        raise RuntimeError("stream ended without a token")
+    stat.requests, stat.ttft_sum = stat.requests + 1, stat.ttft_sum + first - t0
+    stat.itl_n, stat.itl_sum = stat.itl_n + gaps, stat.itl_sum + gap_sum
+
+
+async def stream_loop(http, url: str, model: str, stat: Stat, deadline: float, seed: int) -> None:
+    """Closed loop: the next request as soon as the last ends, until the deadline."""
+    rng = random.Random(seed)
+    while time.perf_counter() < deadline:
+        prompt = " ".join(rng.choices(WORDS, k=rng.randint(200, 500)))
+        body = {"model": model, "prompt": prompt, "max_tokens": rng.randint(64, 128)}
+        body |= {"temperature": 0.0, "ignore_eos": True, "stream": True}
+        body["stream_options"] = {"include_usage": True}
+        try:
+            await one_request(http, url, body, stat)
+        except Exception as exc:  # counted and reported; the loop goes on
+            stat.errors, stat.last_error = stat.errors + 1, f"{type(exc).__name__}: {exc}"
+            await asyncio.sleep(0.05)
+
+
+async def loop_lag(samples: list[float], period: float = 0.01) -> None:
+    """How late this process's event loop wakes up from a `period` sleep."""
+    while True:
+        t = time.perf_counter()
+        await asyncio.sleep(period)
+        samples.append(time.perf_counter() - t - period)
+
+
+async def timing(http: aiohttp.ClientSession, url: str) -> dict:
+    async with http.get(f"{url}/admin/timing") as resp:
+        resp.raise_for_status()
+        return {k: v for k, v in (await resp.json()).items() if not k.endswith("_mean")}
+
+
+def div(a: float, b: float) -> float:
+    return a / b if b else math.nan
+
+
+def ratio_row(st: Stat, before: dict, after: dict, wall: float, engines: int = 1) -> dict:
+    """Client-measured means vs the predicted means over the same phase (snapshot difference)."""
+    d = {k: after[k] - before[k] for k in after}
+    m_ttft, m_itl = div(st.ttft_sum, st.requests), div(st.itl_sum, st.itl_n)
+    p_ttft = div(d["predicted_ttft_s_sum"], d["ttft_count"])
+    p_itl = div(d["predicted_itl_s_sum"], d["itl_count"])
+    row = {"ttft_ms": m_ttft * 1e3, "ttft_pred_ms": p_ttft * 1e3, "ttft_ratio": div(m_ttft, p_ttft)}
+    row |= {"itl_ms": m_itl * 1e3, "itl_pred_ms": p_itl * 1e3, "itl_ratio": div(m_itl, p_itl)}
+    row |= {"requests": st.requests, "errors": st.errors, "itl_gaps": st.itl_n}
+    row |= {"pred_ttft_count": d["ttft_count"], "pred_itl_count": d["itl_count"]}
+    row |= {"steps": d["steps"], "pred_step_ms": div(d["predicted_step_s_sum"], d["steps"]) * 1e3}
+    row["wall_per_step_ms"] = div(wall * engines, d["steps"]) * 1e3  # idle time included
+    for key in ("ttft", "itl"):
+        row[f"{key}_within_target"] = abs(row[f"{key}_ratio"] - 1) <= TARGET
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
+
+
+async def run_phase(urls: list[str], streams: int, args, model: str, procs) -> dict:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+        before = await asyncio.gather(*(timing(http, u) for u in urls))
+        cpu0 = [cpu_seconds(p.pid) for p in procs], time.process_time(), machine_cpu()
+        lags: list[float] = []
+        lag_task = asyncio.create_task(loop_lag(lags))
+        stats = [Stat() for _ in urls]
+        t0 = time.perf_counter()
+        jobs = [
+            (e, args.seed * 7919 + e * 97 + s) for e in range(len(urls)) for s in range(streams)
+        ]
+        end = t0 + args.duration
+        await asyncio.gather(
+            *(stream_loop(http, urls[e], model, stats[e], end, s) for e, s in jobs)
+        )
+        wall = time.perf_counter() - t0
+        lag_task.cancel()
+        cpu1 = [cpu_seconds(p.pid) for p in procs], time.process_time(), machine_cpu()
+        after = await asyncio.gather(*(timing(http, u) for u in urls))
+    per_engine, total = [], Stat()
+    for u, st, b, a in zip(urls, stats, before, after, strict=True):
+        per_engine.append(ratio_row(st, b, a, wall) | {"url": u, "last_error": st.last_error})
+        for f in ("requests", "errors", "itl_n", "ttft_sum", "itl_sum"):
+            setattr(total, f, getattr(total, f) + getattr(st, f))
+    sums = [{k: sum(x[k] for x in snaps) for k in snaps[0]} for snaps in (before, after)]
+    busy = div(cpu1[2][0] - cpu0[2][0], cpu1[2][1] - cpu0[2][1]) * (os.cpu_count() or 1)
+    return {
+        "engines": len(urls),
+        "streams_per_engine": streams,
+        "duration_s": args.duration,
+        "wall_s": round(wall, 3),
+        "overall": ratio_row(total, *sums, wall, len(urls)),
+        "engine_cpu_pct": [
+            round((c - b) / wall * 100, 1) for b, c in zip(*(cpu0[0], cpu1[0]), strict=True)
+        ],
+        "client_cpu_pct": round((cpu1[1] - cpu0[1]) / wall * 100, 1),
+        "machine_cpu_pct": round(busy * 100, 1),  # all processes; 100 = one core
+        "client_loop_lag_ms_mean": round(div(sum(lags), len(lags)) * 1e3, 3),
+        "per_engine": per_engine,
+    }
+
+
+def diagnose(ph: dict) -> list[str]:
+    """Where the time goes when a ratio is off target, from the phase's own figures."""
+    o, ncpu, notes = ph["overall"], os.cpu_count() or 1, []
+    stretch = div(o["wall_per_step_ms"], o["pred_step_ms"])
+    eng = "+".join(f"{c:.0f}" for c in ph["engine_cpu_pct"])
+    cpu = (
+        f"CPU (100% = a core): engines {eng}%, client {ph['client_cpu_pct']:.0f}%, machine "
+        f"{ph['machine_cpu_pct']:.0f}% of {ncpu * 100}%"
+    )
+    if stretch > 1.5:
+        full = "; all cores are busy" if ph["machine_cpu_pct"] >= 90 * ncpu else ""
+        notes.append(
+            f"steps take {stretch:.1f}x their prediction ({o['wall_per_step_ms']:.1f} vs "
+            f"{o['pred_step_ms']:.1f} ms): the engines' event loop cannot do the per-token work "
+            f"(scheduling, detokenizing, SSE writes) in time{full}; {cpu}"
+        )
+    elif not o["itl_within_target"]:
+        notes.append(
+            f"each step overruns by {o['itl_ms'] - o['itl_pred_ms']:.2f} ms on average (asyncio "
+            f"timers wake up to ~1 ms late, later on a busy machine, and the engine does not "
+            f"catch up); client loop lag {ph['client_loop_lag_ms_mean']:.2f} ms; {cpu}"
+        )
+    if not o["ttft_within_target"] and stretch <= 1.5:
+        notes.append(
+            f"TTFT is {o['ttft_ms'] - o['ttft_pred_ms']:.1f} ms above prediction: HTTP, JSON, "
+            f"prompt tokenization before the request reaches the scheduler and late timer "
+            f"wake-ups, which the latency model does not include"
+        )
+    return notes
+
+
+async def measure(args, urls: list[str], procs, light: tuple[int, int], heavy: tuple[int, int]):
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{urls[0]}/v1/models") as resp:
+            model = (await resp.json())["data"][0]["id"]
+        warm = {"model": model, "prompt": "warm up", "max_tokens": 4, "stream": True}
+        await asyncio.gather(*(one_request(http, u, warm, Stat()) for u in urls))
+    return {
+        "light": await run_phase(urls[: light[0]], light[1], args, model, procs),
+        "heavy": await run_phase(urls[: heavy[0]], heavy[1], args, model, procs),
+    }
+
+
+def print_table(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"Emulation timing fidelity: {result['gpu']} x {result['model']}, +/-10%")
+    for col in ("load", "eng x str", "reqs", "TTFT ms", "pred", "ratio", "ITL ms", "pred",
+                "ratio", "ms/step", "pred", "CPU% eng/cli/all"):  # fmt: skip
+        t.add_column(col, justify="right")
+    for name, ph in result["phases"].items():
+        o, ok = ph["overall"], {True: "[green]", False: "[red]"}
+        t.add_row(
+            name, f"{ph['engines']} x {ph['streams_per_engine']}", str(o["requests"]),
+            f"{o['ttft_ms']:.1f}", f"{o['ttft_pred_ms']:.1f}",
+            f"{ok[o['ttft_within_target']]}{o['ttft_ratio']:.3f}",
+            f"{o['itl_ms']:.2f}", f"{o['itl_pred_ms']:.2f}",
+            f"{ok[o['itl_within_target']]}{o['itl_ratio']:.3f}",
+            f"{o['wall_per_step_ms']:.2f}", f"{o['pred_step_ms']:.2f}",
+            f"{'+'.join(f'{c:.0f}' for c in ph['engine_cpu_pct'])}/{ph['client_cpu_pct']:.0f}"
+            f"/{ph['machine_cpu_pct']:.0f}",
+        )  # fmt: skip
+    console = Console(width=max(Console().width, 120))
+    console.print(t)
+    for name, ph in result["phases"].items():
+        for note in ph["notes"]:
+            console.print(f"[bold]{name}[/]: {note}", highlight=False)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    phases = result["phases"].items()
+    names = [f"{n}\n{p['engines']} x {p['streams_per_engine']}" for n, p in phases]
+    rows = [p["overall"] for _, p in phases]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    for ax, key in zip(axes, ("ttft", "itl"), strict=True):
+        xs = range(len(names))
+        ax.bar([x - 0.2 for x in xs], [r[f"{key}_ms"] for r in rows], 0.4, label="measured")
+        ax.bar([x + 0.2 for x in xs], [r[f"{key}_pred_ms"] for r in rows], 0.4, label="predicted")
+        for x, r in zip(xs, rows, strict=True):
+            ax.annotate(f"x{r[f'{key}_ratio']:.2f}", (x, r[f"{key}_ms"]), ha="center", va="bottom")
+        ax.set_xticks(list(xs), names)
+        ax.set_yscale("log")
+        ax.set_ylim(top=max(max(r[f"{key}_ms"], r[f"{key}_pred_ms"]) for r in rows) * 3)
+        ax.set_title(f"mean {key.upper()} (ms), measured / predicted")
+        ax.legend(loc="upper left", fontsize="small")
+    fig.suptitle(f"kvmesh emulation timing fidelity: {result['gpu']} x {result['model']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.engines, args.streams, args.light_engines, args.light_streams = 2, 2, 1, 1
+        args.duration = 3.0
+    light, heavy = (args.light_engines, args.light_streams), (args.engines, args.streams)
+    if min(*light, *heavy, args.engine_procs) < 1 or args.duration <= 0:
+        print("kvmesh bench emulation: counts and --duration must be positive", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    procs: list[subprocess.Popen] = []
+    try:
+        procs, urls = start_engines(args, max(light[0], heavy[0]), max(light[1], heavy[1]))
+        phases = asyncio.run(measure(args, urls, procs, light, heavy))
+    except (RuntimeError, aiohttp.ClientError, KeyError) as exc:
+        print(f"kvmesh bench emulation: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        stop_engines(procs)
+    for ph in phases.values():
+        ph["notes"] = diagnose(ph)
+    names = [f[2:].replace("-", "_") for f, *_ in FLAGS] + ["quick"]
+    settings = {n: str(v) if isinstance(v := getattr(args, n), Path) else v for n in names}
+    ratios = {
+        n: {k: p["overall"][f"{k}_ratio"] for k in ("ttft", "itl")} for n, p in phases.items()
+    }
+    result = {"gpu": args.gpu, "model": args.model, "engine_procs": len(procs), "target": TARGET}
+    result |= {"cpu_count": os.cpu_count(), "settings": settings, "ratios": ratios}
+    result["phases"] = phases
+    (args.out / "emulation.json").write_text(json.dumps(result, indent=2))
+    plot(result, args.out / "emulation.png")
+    print_table(result)
+    print(f"results: {args.out / 'emulation.json'}, {args.out / 'emulation.png'}")
+    return 0

@@ -1,0 +1,300 @@
+"""`kvmesh bench router`: what a router adds per request, against its peers, in one run.
+
+Starts zero-latency emulated engines (`kvmesh serve --emulate N --emulate-ttft-ms 0
+--emulate-itl-ms 0`), then, one router at a time in front of the same fleet, measures the
+latency it adds over going straight to an engine, its highest sustained request rate and its
+CPU time per request; then times the kvmesh scheduling path in-process on a long prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import statistics
+import textwrap
+import time
+from pathlib import Path
+
+from kvmesh.bench.router_client import Conn, closed_loop, completion_body, prompt_text
+from kvmesh.bench.router_client import request_bytes as raw_request
+from kvmesh.bench.router_micro import pct, run_micro
+from kvmesh.bench.router_procs import (
+    ALL_TARGETS,
+    Proc,
+    Target,
+    peer_bin,
+    pinning,
+    post_status,
+    served_model,
+    start_engines,
+    start_router,
+)
+from kvmesh.bench.router_report import plot, print_tables, targets_summary
+
+CASES = (  # name, prompt kind, streaming (then the first body byte is timed, not the end)
+    ("small", "small", False),
+    ("8k", "long", False),
+    ("small_stream_ttfb", "small", True),
+    ("8k_stream_ttfb", "long", True),
+)
+EPILOG = """What is measured, for each fleet size and each router (one at a time, same engines):
+  added latency  p50/p99 through the router minus p50/p99 straight to an engine, requests sent
+                 one at a time, routed and direct interleaved; a small prompt and an ~8,000-char
+                 prompt (shared text + a unique tail), non-streaming (whole answer, max_tokens 1)
+                 and streaming (time to the first body byte = first SSE event, max_tokens 4)
+  req/s          closed loop at --concurrency connections, small prompt, non-streaming
+  CPU us/req     router process group utime+stime (/proc/PID/stat) over that window / answers
+  scheduling     in-process: a --micro-tokens prompt over --micro-endpoints endpoints, kvmesh
+                 preset, precise index holding parts of the prefix on several endpoints;
+                 warm = prefix seen (tokenizer and block-hash caches hit), cold = from scratch
+Pinned as in shared/reference/peers.md s7: engines + router on one CPU (taskset), this client on
+another. Peers run with warn-level logs. A peer that is not installed is skipped, with a note.
+Targets (shown, not asserted): added p50 <= 1 ms, scheduling <= 2 ms, vs the best peer.
+Output: router.json and router.png in --out."""
+FLAGS = (  # flag, type, default, help
+    ("--engines", str, "2,4", "Fleet sizes (engines), comma-separated."),
+    (
+        "--routers",
+        str,
+        ",".join(f"{t.kind}:{t.policy}" for t in ALL_TARGETS),
+        "Routers to measure as kind:policy (kvmesh, sglang, vllm).",
+    ),
+    ("--requests", int, 500, "Routed (and as many direct) requests per latency case."),
+    ("--concurrency", int, 32, "Connections of the closed loop."),
+    ("--duration", float, 5.0, "Seconds of the measured closed-loop window."),
+    ("--warmup", float, 1.0, "Seconds of closed loop before the window."),
+    ("--sglang-router-bin", str, None, "sglang-router executable (default: from PATH)."),
+    ("--vllm-router-bin", str, None, "vllm-router executable (default: from PATH)."),
+    ("--micro-tokens", int, 16384, "Prompt tokens of the scheduling micro-benchmark."),
+    ("--micro-endpoints", int, 64, "Endpoints of the scheduling micro-benchmark."),
+    ("--micro-repeats", int, 200, "Warm repeats (cold: a tenth, at least 5)."),
+    ("--seed", int, 0, "Seed of prompts and synthetic state."),
+    ("--out", Path, Path("bench-results/router"), "Output directory."),
+)
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    text = parser.description or __doc__.split("\n\n")[1]
+    parser.description = textwrap.fill(" ".join(text.split()), 95)
+    parser.epilog, parser.formatter_class = EPILOG, argparse.RawDescriptionHelpFormatter
+    for flag, kind, default, text in FLAGS:
+        parser.add_argument(flag, type=kind, default=default, help=f"{text} [default: {default}]")
+    parser.add_argument("--no-pin", action="store_true", help="Do not pin processes to CPUs.")
+    parser.add_argument("--no-micro", action="store_true", help="Skip the in-process part.")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="CI-sized: 2 engines, kvmesh preset only, no peers, tiny counts.",
+    )
+
+
+def _ms(values: list[float]) -> dict[str, float]:
+    ms = [v * 1e3 for v in values]
+    return {"p50_ms": round(statistics.median(ms), 4), "p99_ms": round(pct(ms, 0.99), 4)}
+
+
+def measure_latency(router: str, engines: list[str], model: str | None, n: int, seed: int):
+    """Per case: routed and direct percentiles, added = routed - direct, and direct samples."""
+    rconn, dconns = Conn(router), [Conn(u) for u in engines]
+    out, direct_all = {}, {}
+    try:
+        for name, kind, stream in CASES:
+            text = prompt_text(kind, seed)
+            idx = 0 if stream else 1
+            routed: list[float] = []
+            direct: list[float] = []
+            errors = 0
+            for i in range(n + max(5, n // 10)):  # the first ones warm up
+                body = completion_body(model, f"{text} #{i}", stream)
+                rraw = raw_request(router, "/v1/completions", body)
+                d = i % len(engines)
+                draw = raw_request(engines[d], "/v1/completions", body)
+                pair = [(rconn, rraw, routed), (dconns[d], draw, direct)]
+                for conn, raw, sink in pair if i % 2 else pair[::-1]:
+                    resp, first, total = conn.send(raw)
+                    if resp.status != 200:
+                        errors += 1
+                    elif i >= max(5, n // 10):
+                        sink.append((first, total)[idx])
+            if not routed:
+                raise RuntimeError(f"no successful routed request ({errors} errors)")
+            r, dd = _ms(routed), _ms(direct)
+            out[name] = {
+                **r,
+                "direct_p50_ms": dd["p50_ms"],
+                "direct_p99_ms": dd["p99_ms"],
+                "added_p50_ms": round(r["p50_ms"] - dd["p50_ms"], 4),
+                "added_p99_ms": round(r["p99_ms"] - dd["p99_ms"], 4),
+                "n": len(routed),
+                "errors": errors,
+            }
+            direct_all[name] = direct
+    finally:
+        rconn.close()
+        for c in dconns:
+            c.close()
+    return out, direct_all
+
+
+def _loop_runner():
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        return asyncio.Runner(loop_factory=uvloop.new_event_loop)
+    return asyncio.Runner()
+
+
+def measure_rate(urls: list[str], model: str | None, args, router: Proc | None, engines: Proc):
+    text = prompt_text("small", args.seed)
+    raws = [
+        [
+            raw_request(u, "/v1/completions", completion_body(model, f"{text} #{i}", False))
+            for i in range(64)
+        ]
+        for u in urls
+    ]
+    cpu: dict[str, float] = {}
+
+    def edge(tag: str):
+        def snap() -> None:
+            cpu[f"engines_{tag}"] = engines.cpu_seconds()
+            if router is not None:
+                cpu[f"router_{tag}"] = router.cpu_seconds()
+
+        return snap
+
+    with _loop_runner() as runner:
+        stats, wall = runner.run(
+            closed_loop(
+                urls, raws, args.concurrency, args.warmup, args.duration, (edge("0"), edge("1"))
+            )
+        )
+    done = max(1, stats.ok)
+    row = {
+        "req_s": round(stats.ok / wall, 1),
+        "requests": stats.ok,
+        "errors": stats.errors,
+        "engines_cpu_us_per_req": round((cpu["engines_1"] - cpu["engines_0"]) / done * 1e6, 1),
+    }
+    if router is not None:
+        row["router_cpu_us_per_req"] = round((cpu["router_1"] - cpu["router_0"]) / done * 1e6, 1)
+        row["router_cpu_share"] = round((cpu["router_1"] - cpu["router_0"]) / wall, 3)
+    if stats.errors:
+        row["statuses"] = {str(k): v for k, v in stats.statuses.items()}
+    return row
+
+
+def run_fleet(n: int, targets: list[Target], bins: dict, prefix: list[str], args) -> dict:
+    engines, urls = start_engines(n, prefix, args.out)
+    fleet: dict = {"engines": n, "urls": urls, "routers": [], "failed": []}
+    try:
+        model = served_model(urls[0])
+        fleet["model"] = model
+        # vllm-router cache_aware asks every worker for these on every request
+        fleet["engine_side_calls"] = {
+            p: post_status(urls[0] + p, {"prompt": "hi", "model": model})
+            for p in ("/v1/completions/render", "/tokenize")
+        }
+        print(f"[{n} engines] direct closed loop ...", flush=True)
+        fleet["direct"] = {"throughput": measure_rate(urls, model, args, None, engines)}
+        pooled: dict[str, list[float]] = {}
+        for t in targets:
+            print(f"[{n} engines] {t.label} ...", flush=True)
+            try:
+                proc, url = start_router(t, urls, prefix, bins, args.out)
+            except RuntimeError as exc:
+                fleet["failed"].append({"router": t.label, "error": str(exc)[-600:]})
+                continue
+            try:
+                lat, direct = measure_latency(url, urls, model, args.requests, args.seed)
+                rate = measure_rate([url], model, args, proc, engines)
+            except (RuntimeError, OSError) as exc:
+                fleet["failed"].append({"router": t.label, "error": repr(exc)[-600:]})
+                continue
+            finally:
+                proc.stop()
+            for name, samples in direct.items():
+                pooled.setdefault(name, []).extend(samples)
+            fleet["routers"].append(
+                {
+                    "router": t.label,
+                    "kind": t.kind,
+                    "policy": t.policy,
+                    "latency": lat,
+                    "throughput": rate,
+                }
+            )
+        fleet["direct"]["latency"] = {name: _ms(v) for name, v in pooled.items()}
+    finally:
+        engines.stop()
+    return fleet
+
+
+def _targets(spec: str) -> list[Target]:
+    out = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        kind, _, policy = item.partition(":")
+        if kind not in ("kvmesh", "sglang", "vllm") or not policy:
+            raise SystemExit(f"--routers: {item!r} is not kind:policy (kvmesh, sglang, vllm)")
+        out.append(Target(kind, policy))
+    return out
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.engines, args.routers, args.requests = "2", "kvmesh:kvmesh", 30
+        args.duration, args.warmup = 1.0, 0.3
+        args.micro_repeats, args.micro_tokens = 10, 4096
+    args.out.mkdir(parents=True, exist_ok=True)
+    sizes = [int(x) for x in str(args.engines).split(",") if x.strip()]
+    bins = {
+        "sglang": peer_bin("sglang", args.sglang_router_bin),
+        "vllm": peer_bin("vllm", args.vllm_router_bin),
+    }
+    targets, skipped = [], []
+    for t in _targets(args.routers):
+        if t.kind != "kvmesh" and bins[t.kind] is None:
+            skipped.append(f"{t.label}: {t.kind}-router not installed (give --{t.kind}-router-bin)")
+        else:
+            targets.append(t)
+    for note in skipped:
+        print(f"skipped: {note}", flush=True)
+    prefix, client_cpus, pin_note = pinning(not args.no_pin)
+    result: dict = {
+        "config": {
+            k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"
+        },
+        "pinning": pin_note,
+        "skipped": skipped,
+        "fleets": [],
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    before = os.sched_getaffinity(0) if client_cpus else None
+    try:
+        if client_cpus:
+            os.sched_setaffinity(0, client_cpus)
+        for n in sizes:
+            result["fleets"].append(run_fleet(n, targets, bins, prefix, args))
+        if not args.no_micro:
+            print("in-process scheduling micro-benchmark ...", flush=True)
+            result["micro"] = run_micro(
+                args.micro_tokens,
+                args.micro_endpoints,
+                args.micro_repeats,
+                max(5, args.micro_repeats // 10),
+                500 if args.quick else 5000,
+                args.seed,
+            )
+    finally:
+        if before:
+            os.sched_setaffinity(0, before)
+    result["targets"] = targets_summary(result)
+    (args.out / "router.json").write_text(json.dumps(result, indent=2))
+    print_tables(result)
+    plot(result, args.out / "router.png")
+    print(f"wrote {args.out / 'router.json'} and {args.out / 'router.png'}")
+    failed = [f for fl in result["fleets"] for f in fl["failed"]]
+    return 1 if failed and not any(fl["routers"] for fl in result["fleets"]) else 0

@@ -1,0 +1,198 @@
+"""Processes for the router benchmark: emulated engines and routers (kvmesh's through its CLI,
+sglang-router and vllm-router from their own installs), pinned to a core, with their CPU time
+read from /proc (the whole process group, so launcher scripts and children count)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+URL_RE = re.compile(r"engine (http://[\w.\-]+:\d+)/v1")
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+
+
+@dataclass(frozen=True)
+class Target:
+    """A router under test: kind (kvmesh, sglang, vllm) and its policy / preset."""
+
+    kind: str
+    policy: str
+
+    @property
+    def label(self) -> str:
+        return (
+            f"{self.kind}-router {self.policy}"
+            if self.kind != "kvmesh"
+            else (f"kvmesh {self.policy}")
+        )
+
+
+ALL_TARGETS = (
+    Target("kvmesh", "kvmesh"),
+    Target("kvmesh", "round-robin"),
+    Target("sglang", "round_robin"),
+    Target("sglang", "cache_aware"),
+    Target("vllm", "round_robin"),
+    Target("vllm", "cache_aware"),
+)
+
+
+def pinning(enabled: bool) -> tuple[list[str], set[int] | None, str]:
+    """(command prefix for servers, CPU set for this client, what was done): servers on one
+    core, the client on another, as in the peers' measurement."""
+    if not enabled:
+        return [], None, "off (--no-pin)"
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cpus) < 2 or shutil.which("taskset") is None:
+        return [], None, "off (needs 2 CPUs and taskset)"
+    note = f"servers on CPU {cpus[0]}, client on CPU {cpus[1]}"
+    return ["taskset", "-c", str(cpus[0])], {cpus[1]}, note
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A server started in its own session (process group), logging to a file."""
+
+    def __init__(self, cmd: list[str], log: Path) -> None:
+        self.cmd, self.log = cmd, log
+        with open(log, "wb") as f:
+            self.popen = subprocess.Popen(
+                cmd, stdout=f, stderr=subprocess.STDOUT, env=ENV, start_new_session=True
+            )
+
+    def tail(self, n: int = 2500) -> str:
+        with contextlib.suppress(OSError):
+            return self.log.read_text(errors="replace")[-n:]
+        return ""
+
+    def cpu_seconds(self) -> float:
+        """utime + stime of every live process of this group (threads included)."""
+        tck, pgid, total = os.sysconf("SC_CLK_TCK"), self.popen.pid, 0
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid:
+                total += int(fields[11]) + int(fields[12])
+        return total / tck
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, signal.SIGKILL)  # leftovers of the group, if any
+
+
+def start_engines(n: int, prefix: list[str], out: Path) -> tuple[Proc, list[str]]:
+    """n zero-latency emulated engines in one process; their base URLs."""
+    cmd = [*prefix, sys.executable, "-m", "kvmesh.cli", "--log-level", "WARNING", "serve"]
+    cmd += ["--emulate", str(n), "--host", "127.0.0.1", "--port", "0"]
+    cmd += ["--emulate-ttft-ms", "0", "--emulate-itl-ms", "0", "--max-num-seqs", "256"]
+    proc = Proc(cmd, out / f"engines-{n}.log")
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        urls = URL_RE.findall(proc.tail(100_000))
+        if len(urls) >= n:
+            return proc, urls[:n]
+        if proc.popen.poll() is not None:
+            break
+        time.sleep(0.2)
+    proc.stop()
+    raise RuntimeError(f"emulated engines did not start:\n{proc.tail()}")
+
+
+def peer_bin(kind: str, given: str | None) -> str | None:
+    name = {"sglang": "sglang-router", "vllm": "vllm-router"}[kind]
+    path = given or shutil.which(name)
+    return path if path and os.access(path, os.X_OK) else None
+
+
+def router_command(t: Target, urls: list[str], port: int, bins: dict[str, str | None]) -> list[str]:
+    if t.kind == "kvmesh":
+        cmd = [sys.executable, "-m", "kvmesh.cli", "--log-level", "WARNING", "router"]
+        for u in urls:
+            cmd += ["--endpoint", u]
+        return cmd + ["--host", "127.0.0.1", "--port", str(port), "--preset", t.policy]
+    binary = bins[t.kind]
+    assert binary is not None
+    level = "warn" if t.kind == "sglang" else "warning"
+    cmd = [binary, "launch"] if t.kind == "sglang" else [binary]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls]
+    cmd += ["--policy", t.policy, "--log-level", level]
+    return cmd + ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+
+
+def start_router(
+    t: Target, urls: list[str], prefix: list[str], bins: dict[str, str | None], out: Path
+) -> tuple[Proc, str]:
+    port = free_port()
+    name = f"{t.kind}-{t.policy}-{len(urls)}".replace("_", "-")
+    proc = Proc([*prefix, *router_command(t, urls, port, bins)], out / f"router-{name}.log")
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.popen.poll() is not None:
+            break
+        with (
+            contextlib.suppress(OSError),
+            urllib.request.urlopen(url + "/health", timeout=2) as resp,
+        ):
+            if resp.status == 200:
+                return proc, url
+        time.sleep(0.2)
+    proc.stop()
+    raise RuntimeError(f"{t.label} did not become healthy:\n{proc.tail()}")
+
+
+def served_model(url: str) -> str | None:
+    import json
+
+    with (
+        contextlib.suppress(OSError, ValueError, KeyError, IndexError),
+        urllib.request.urlopen(url + "/v1/models", timeout=5) as resp,
+    ):
+        return json.loads(resp.read())["data"][0]["id"]
+    return None
+
+
+def post_status(url: str, body: dict) -> int:
+    """HTTP status of a JSON POST (0: no answer)."""
+    import json
+
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return 0

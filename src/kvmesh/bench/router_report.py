@@ -1,0 +1,233 @@
+"""Tables, targets and the chart of `kvmesh bench router`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ADDED_TARGET_MS = 1.0
+SCHEDULE_TARGET_MS = 2.0
+CASE_TITLES = {
+    "small": "small",
+    "8k": "8k chars",
+    "small_stream_ttfb": "stream TTFB small",
+    "8k_stream_ttfb": "stream TTFB 8k",
+}
+
+
+def _cell(d: dict | None, a: str, b: str, fmt: str = "{:+.3f}") -> str:
+    if not d or a not in d:
+        return "-"
+    return f"{fmt.format(d[a])} / {fmt.format(d[b])}"
+
+
+def _peers(fleet: dict) -> list[dict]:
+    return [r for r in fleet["routers"] if r["kind"] != "kvmesh"]
+
+
+def _kvmesh(fleet: dict, policy: str = "kvmesh") -> dict | None:
+    return next(
+        (r for r in fleet["routers"] if r["kind"] == "kvmesh" and r["policy"] == policy), None
+    )
+
+
+def targets_summary(result: dict) -> dict:
+    """kvmesh (preset kvmesh) against the targets and the best peer of the same run."""
+    out: dict = {"added_p50_target_ms": ADDED_TARGET_MS, "schedule_target_ms": SCHEDULE_TARGET_MS}
+    for fleet in result["fleets"]:
+        row: dict = {}
+        km = _kvmesh(fleet)
+        peers = _peers(fleet)
+        for case in CASE_TITLES:
+            entry: dict = {}
+            if km and case in km["latency"]:
+                entry["kvmesh_added_p50_ms"] = km["latency"][case]["added_p50_ms"]
+                entry["meets_target"] = entry["kvmesh_added_p50_ms"] <= ADDED_TARGET_MS
+            best = min(peers, key=lambda r: r["latency"][case]["added_p50_ms"], default=None)
+            if best is not None:
+                entry["best_peer"] = best["router"]
+                entry["best_peer_added_p50_ms"] = best["latency"][case]["added_p50_ms"]
+            row[case] = entry
+        for key, pick in (("req_s", max), ("router_cpu_us_per_req", min)):
+            entry = {}
+            if km:
+                entry["kvmesh"] = km["throughput"][key]
+            if peers:
+                best = pick(peers, key=lambda r, k=key: r["throughput"][k])
+                entry["best_peer"] = best["router"]
+                entry["best_peer_value"] = best["throughput"][key]
+            row[key] = entry
+        out[f"engines_{fleet['engines']}"] = row
+    micro = result.get("micro")
+    if micro:
+        for phase in ("warm", "cold"):
+            p50 = micro[phase]["total_ms"]["p50"]
+            out[f"schedule_{phase}_p50_ms"] = p50
+            out[f"schedule_{phase}_meets_target"] = p50 <= SCHEDULE_TARGET_MS
+    return out
+
+
+def print_tables(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(width=160)
+    con.print(f"pinning: {result['pinning']}")
+    for note in result["skipped"]:
+        con.print(f"[yellow]skipped[/] {note}")
+    for fleet in result["fleets"]:
+        n = fleet["engines"]
+        t = Table(title=f"{n} engines: added latency, ms, p50 / p99 (direct row: absolute)")
+        t.add_column("router")
+        for title in CASE_TITLES.values():
+            t.add_column(title, justify="right")
+        direct = fleet.get("direct", {}).get("latency", {})
+        t.add_row(
+            "direct (engine)",
+            *(_cell(direct.get(c), "p50_ms", "p99_ms", "{:.3f}") for c in CASE_TITLES),
+        )
+        for r in fleet["routers"]:
+            lat = r["latency"]
+            t.add_row(
+                r["router"],
+                *(_cell(lat.get(c), "added_p50_ms", "added_p99_ms") for c in CASE_TITLES),
+            )
+        con.print(t)
+        t = Table(title=f"{n} engines: closed loop, small prompt (router + engines on one CPU)")
+        for col in ("router", "req/s", "router CPU us/req", "engines CPU us/req", "errors"):
+            t.add_column(col, justify="left" if col == "router" else "right")
+        rows = [("direct (engine)", fleet.get("direct", {}).get("throughput", {}))]
+        rows += [(r["router"], r["throughput"]) for r in fleet["routers"]]
+        for name, tp in rows:
+            t.add_row(
+                name,
+                str(tp.get("req_s", "-")),
+                str(tp.get("router_cpu_us_per_req", "-")),
+                str(tp.get("engines_cpu_us_per_req", "-")),
+                str(tp.get("errors", "-")),
+            )
+        con.print(t)
+        for f in fleet["failed"]:
+            con.print(f"[red]failed[/] {f['router']}: {f['error'][-300:]}")
+        calls = fleet.get("engine_side_calls", {})
+        if any(r["router"] == "vllm-router cache_aware" for r in fleet["routers"]) and calls:
+            con.print(
+                "note: engine POST /v1/completions/render -> "
+                f"{calls.get('/v1/completions/render')}, /tokenize -> {calls.get('/tokenize')}; "
+                "vllm-router cache_aware calls these on every worker for every request"
+            )
+    micro = result.get("micro")
+    if micro:
+        t = Table(
+            title=(
+                f"in-process scheduling: {micro['prompt_tokens']} tokens "
+                f"({micro['blocks']} blocks), {micro['endpoints']} endpoints, preset "
+                f"kvmesh, {micro['index_entries']} index entries; ms p50 / p99"
+            )
+        )
+        for col in ("case", "total", "tokenize", "hash", "schedule", "repeats"):
+            t.add_column(col, justify="left" if col == "case" else "right")
+        for phase in ("warm", "cold"):
+            m = micro[phase]
+            t.add_row(
+                phase,
+                *(
+                    _cell(m[k], "p50", "p99", "{:.3f}")
+                    for k in ("total_ms", "tokenize_ms", "hash_ms", "schedule_ms")
+                ),
+                str(m["repeats"]),
+            )
+        con.print(t)
+    _print_targets(con, result["targets"])
+
+
+def _print_targets(con, tg: dict) -> None:
+    from rich.table import Table
+
+    t = Table(title="targets (shown, not asserted)")
+    for col in ("what", "kvmesh", "target / best peer", "ok"):
+        t.add_column(col)
+    for key, row in tg.items():
+        if not key.startswith("engines_"):
+            continue
+        n = key.split("_")[1]
+        for case, title in CASE_TITLES.items():
+            e = row.get(case, {})
+            if "kvmesh_added_p50_ms" not in e:
+                continue
+            peer = (
+                f"; {e['best_peer']} {e['best_peer_added_p50_ms']:+.3f}" if "best_peer" in e else ""
+            )
+            t.add_row(
+                f"{n} eng: added p50 {title} (ms)",
+                f"{e['kvmesh_added_p50_ms']:+.3f}",
+                f"<= {ADDED_TARGET_MS}{peer}",
+                "yes" if e["meets_target"] else "NO",
+            )
+        for k, title in (("req_s", "req/s"), ("router_cpu_us_per_req", "router CPU us/req")):
+            e = row.get(k, {})
+            if "kvmesh" in e:
+                peer = f"{e['best_peer']} {e['best_peer_value']}" if "best_peer" in e else "-"
+                t.add_row(f"{n} eng: {title}", str(e["kvmesh"]), peer, "")
+    for phase in ("warm", "cold"):
+        if f"schedule_{phase}_p50_ms" in tg:
+            t.add_row(
+                f"scheduling p50, {phase} (ms)",
+                f"{tg[f'schedule_{phase}_p50_ms']:.3f}",
+                f"<= {SCHEDULE_TARGET_MS}",
+                "yes" if tg[f"schedule_{phase}_meets_target"] else "NO",
+            )
+    con.print(t)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [(f"{r['router']} @{f['engines']}", r) for f in result["fleets"] for r in f["routers"]]
+    fig, axes = plt.subplots(2, 2, figsize=(15, 10))
+    ax = axes[0][0]
+    width = 0.8 / len(CASE_TITLES)
+    xs = range(len(rows))
+    for j, (case, title) in enumerate(CASE_TITLES.items()):
+        vals = [r["latency"].get(case, {}).get("added_p50_ms", 0.0) for _, r in rows]
+        ax.bar([x + j * width for x in xs], vals, width, label=title)
+    ax.axhline(ADDED_TARGET_MS, color="red", ls="--", lw=1, label="target")
+    ax.set_yscale("symlog", linthresh=0.1)
+    ax.set_title("added latency p50 (ms, symlog)")
+    ax.set_xticks(
+        [x + 0.4 - width / 2 for x in xs], [n for n, _ in rows], rotation=35, ha="right", fontsize=8
+    )
+    ax.legend(fontsize=8)
+    for ax, key, title in (
+        (axes[0][1], "req_s", "req/s, closed loop C=32"),
+        (axes[1][0], "router_cpu_us_per_req", "router CPU µs / request"),
+    ):
+        labels = [n for n, _ in rows]
+        vals = [r["throughput"].get(key, 0.0) for _, r in rows]
+        colors = ["tab:green" if r["kind"] == "kvmesh" else "tab:gray" for _, r in rows]
+        ax.bar(labels, vals, color=colors)
+        ax.set_title(title)
+        ax.tick_params(axis="x", labelrotation=35, labelsize=8)
+        for lbl in ax.get_xticklabels():
+            lbl.set_ha("right")
+    ax = axes[1][1]
+    micro = result.get("micro")
+    if micro:
+        names = ["tokenize_ms", "hash_ms", "schedule_ms", "total_ms"]
+        for j, phase in enumerate(("warm", "cold")):
+            vals = [micro[phase][k]["p50"] for k in names]
+            ax.bar([x + j * 0.4 for x in range(len(names))], vals, 0.4, label=f"{phase} p50")
+        ax.axhline(SCHEDULE_TARGET_MS, color="red", ls="--", lw=1, label="target")
+        ax.set_yscale("log")
+        ax.set_xticks([x + 0.2 for x in range(len(names))], [n[:-3] for n in names])
+        ax.set_title(
+            f"scheduling {micro['prompt_tokens']} tokens over {micro['endpoints']} "
+            "endpoints (ms, log)"
+        )
+        ax.legend(fontsize=8)
+    fig.suptitle(f"kvmesh bench router ({result['pinning']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,60 @@
+"""P/D through the router: the prefill leg of vLLM's NixlConnector proxy protocol."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import aiohttp
+
+from kvmesh.router.endpoints import Endpoint
+from kvmesh.router.plugins import SchedulingRequest
+
+PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+async def prefill_remotely(
+    router, path: str, body: bytes, req: SchedulingRequest, p: Endpoint
+) -> bytes:
+    """P/D as vLLM's NixlConnector proxy does it: a one-token, non-streaming copy to the
+    prefill endpoint; its kv_transfer_params go to the decode endpoint with the original
+    request. Any failure: the original request, which the decode endpoint prefills."""
+    assert router.session is not None
+    original = json.loads(body)
+    prefill = {
+        k: v
+        for k, v in original.items()
+        if k not in ("stream_options", "min_tokens", "min_completion_tokens")
+    }
+    prefill.update(stream=False, max_tokens=1, kv_transfer_params=PREFILL_PARAMS)
+    if "max_completion_tokens" in original:
+        prefill["max_completion_tokens"] = 1
+    for _ in range(router.config.prefill_max_retries + 1):
+        p.in_flight += 1
+        try:
+            async with router.session.post(
+                p.url + path,
+                data=json.dumps(prefill).encode(),
+                headers={"Content-Type": "application/json", "X-Request-Id": req.request_id},
+                timeout=aiohttp.ClientTimeout(total=router.config.first_byte_timeout),
+            ) as up:
+                answer = await up.json() if up.status == 200 else None
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+            answer = None
+            p.mark_failure(time.monotonic())
+        finally:
+            p.in_flight -= 1
+        params = (answer or {}).get("kv_transfer_params")
+        if params:
+            router.metrics.requests.labels(p.name, "prefill_ok").inc()
+            router.approximate_index.record(p.name, req.block_keys)
+            return json.dumps(dict(original, kv_transfer_params=params)).encode()
+        router.metrics.requests.labels(p.name, "prefill_failed").inc()
+    return body
