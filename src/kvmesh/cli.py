@@ -302,6 +302,10 @@ BENCH_COMMANDS = {
         "kvmesh.bench.router_bench",
         "Router added latency, top rate and scheduling time vs sglang-router, vllm-router.",
     ),
+    "pd": (
+        "kvmesh.bench.pd_bench",
+        "Long prompts through 4 aggregated engines vs 2 prefill + 2 decode: TTFT, ITL, e2e.",
+    ),
     "fleet": (
         "kvmesh.bench.fleet",
         "One workload through each routing policy over the same emulated fleet.",
