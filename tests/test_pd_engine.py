@@ -7,19 +7,12 @@ import time
 
 import pytest
 
+from kvmesh.protocol.kv_transfer import PREFILL_REQUEST_PARAMS
 from tests.conftest import engine_server
 from tests.helpers import http
 
 PROMPT = "In a distant kingdom, the old librarian kept a catalogue of every book ever written, " * 3
 PD = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both", "hold_timeout_s": 60})
-PREFILL_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +32,7 @@ def complete(url: str, prompt: str, **extra) -> dict:
 
 
 def prefill(url: str, prompt: str) -> dict:
-    r = complete(url, prompt, max_tokens=1, kv_transfer_params=PREFILL_PARAMS)
+    r = complete(url, prompt, max_tokens=1, kv_transfer_params=PREFILL_REQUEST_PARAMS)
     return r["kv_transfer_params"]
 
 

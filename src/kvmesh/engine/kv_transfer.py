@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kvmesh.engine.block_pool import KVCacheBlock
+from kvmesh.protocol.kv_transfer import prefill_response_params
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
@@ -88,19 +89,7 @@ def producer_params(
     port: int,
     num_tokens: int,
 ) -> dict:
-    """What a prefill engine returns, as vLLM 0.32's NixlConnector does (one KV group)."""
-    return {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "remote_engine_id": cfg.engine_id,
-        "remote_block_ids": [block_ids],
-        "remote_host": host,
-        "remote_port": port,
-        "remote_request_id": request_id,
-        "remote_num_tokens": num_tokens,
-        "tp_size": 1,
-        "transfer_mode": "pull",
-    }
+    return prefill_response_params(cfg.engine_id, request_id, block_ids, host, port, num_tokens)
 
 
 def encode_payload(block_hashes: list[bytes], num_tokens: int, data: bytes, meta: dict) -> bytes:

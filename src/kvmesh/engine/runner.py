@@ -45,4 +45,3 @@ class ModelRunner(abc.ABC):
     def transfer_time(self, meta: dict, num_blocks: int) -> float:
         """Seconds an imported payload should have taken to arrive (emulation models it)."""
         return 0.0
-

@@ -26,14 +26,6 @@ from kvmesh.router.plugins import SchedulingRequest
 
 logger = logging.getLogger(__name__)
 decisions = logging.getLogger("kvmesh.router.decisions")
-PREFILL_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server"}
 
 

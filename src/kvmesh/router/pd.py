@@ -7,17 +7,9 @@ import time
 
 import aiohttp
 
+from kvmesh.protocol.kv_transfer import PREFILL_REQUEST_PARAMS
 from kvmesh.router.endpoints import Endpoint
 from kvmesh.router.plugins import SchedulingRequest
-
-PREFILL_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 
 async def prefill_remotely(
@@ -33,7 +25,7 @@ async def prefill_remotely(
         for k, v in original.items()
         if k not in ("stream_options", "min_tokens", "min_completion_tokens")
     }
-    prefill.update(stream=False, max_tokens=1, kv_transfer_params=PREFILL_PARAMS)
+    prefill.update(stream=False, max_tokens=1, kv_transfer_params=PREFILL_REQUEST_PARAMS)
     if "max_completion_tokens" in original:
         prefill["max_completion_tokens"] = 1
     for _ in range(router.config.prefill_max_retries + 1):

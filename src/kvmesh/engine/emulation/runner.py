@@ -82,4 +82,3 @@ class EmulatedRunner(ModelRunner):
 
     def transfer_time(self, meta: dict, num_blocks: int) -> float:
         return num_blocks * self.kv_bytes_per_block / self.transfer_bandwidth
-
