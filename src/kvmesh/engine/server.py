@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import time
 
 from aiohttp import web
@@ -194,6 +195,16 @@ async def start_server(bundle: EngineBundle, host: str, port: int) -> web.AppRun
     return runner
 
 
+async def wait_for_shutdown() -> None:
+    """Until SIGINT or SIGTERM (as Kubernetes sends); the caller then cleans up gracefully."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
 def serve(bundle: EngineBundle, host: str = "127.0.0.1", port: int = 8000) -> None:
     try:
         import uvloop
@@ -208,8 +219,7 @@ def serve(bundle: EngineBundle, host: str = "127.0.0.1", port: int = 8000) -> No
             f"kvmesh engine ready: http://{host}:{port}/v1  (model {bundle.model_name})", flush=True
         )
         try:
-            while True:
-                await asyncio.sleep(3600)
+            await wait_for_shutdown()
         finally:
             await runner.cleanup()
 
