@@ -126,8 +126,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def run_up(config: EngineConfig, args: argparse.Namespace) -> int:
     """The whole stack on this machine: the engine behind the router, events over ipc://."""
-    import asyncio
-    import contextlib
     import dataclasses
     import json
     import tempfile
@@ -170,14 +168,13 @@ def run_up(config: EngineConfig, args: argparse.Namespace) -> int:
             await router_runner.cleanup()
             await engine_runner.cleanup()
 
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(main())
+    from kvmesh.engine.server import run
+
+    run(main())
     return 0
 
 
 def run_emulated(config: EngineConfig, emu, args: argparse.Namespace) -> int:
-    import asyncio
-    import contextlib
 
     from kvmesh.engine.emulation.host import EmulatedFleet
     from kvmesh.engine.tokenizer import load_tokenizer
@@ -216,8 +213,9 @@ def run_emulated(config: EngineConfig, emu, args: argparse.Namespace) -> int:
                 await runner.cleanup()
             await fleet.stop()
 
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(main())
+    from kvmesh.engine.server import run
+
+    run(main())
     return 0
 
 
@@ -265,8 +263,6 @@ async def start_router_from(config, host: str, port: int, tokenizer=None):
 
 
 def cmd_router(args: argparse.Namespace) -> int:
-    import asyncio
-    import contextlib
 
     if not args.endpoint and not args.endpoints_file:
         print(
@@ -291,8 +287,9 @@ def cmd_router(args: argparse.Namespace) -> int:
         finally:
             await runner.cleanup()
 
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(main())
+    from kvmesh.engine.server import run
+
+    run(main())
     return 0
 
 

@@ -205,13 +205,19 @@ async def wait_for_shutdown() -> None:
     await stop.wait()
 
 
-def serve(bundle: EngineBundle, host: str = "127.0.0.1", port: int = 8000) -> None:
+def run(coro) -> None:
+    """Run a server's main coroutine on uvloop (when installed) until it returns."""
     try:
         import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        runner = asyncio.run
+    else:
+        runner = uvloop.run
+    with contextlib.suppress(KeyboardInterrupt):
+        runner(coro)
 
-        uvloop.install()
-    except ImportError:  # pragma: no cover
-        pass
+
+def serve(bundle: EngineBundle, host: str = "127.0.0.1", port: int = 8000) -> None:
 
     async def main() -> None:
         runner = await start_server(bundle, host, port)
@@ -224,5 +230,4 @@ def serve(bundle: EngineBundle, host: str = "127.0.0.1", port: int = 8000) -> No
             await runner.cleanup()
 
     bundle.created = int(time.time())
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(main())
+    run(main())
