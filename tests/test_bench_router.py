@@ -1,0 +1,77 @@
+"""`kvmesh bench router --quick` end to end (emulated engines and the kvmesh router as
+subprocesses), and the lean HTTP client's response parser."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from kvmesh.bench.router_bench import add_args, main
+from kvmesh.bench.router_client import Response
+
+
+def _feed_split(raw: bytes, step: int) -> Response:
+    resp = Response()
+    for i in range(0, len(raw), step):
+        assert not resp.done
+        resp.feed(raw[i : i + step])
+    return resp
+
+
+def test_response_parser_content_length_and_chunked() -> None:
+    plain = b'HTTP/1.1 200 OK\r\nContent-Length: 7\r\nContent-Type: x\r\n\r\n{"a":1}'
+    chunked = (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"5\r\ndata:\r\n10\r\n0123456789abcdef\r\n0\r\n\r\n"
+    )
+    for raw in (plain, chunked):
+        for step in (1, 3, 7, len(raw)):
+            resp = _feed_split(raw, step)
+            assert resp.done and resp.status == 200 and resp.body_seen, (raw, step)
+    partial = Response()
+    partial.feed(chunked[:-2])
+    assert not partial.done
+    head = Response()
+    head.feed(b"HTTP/1.1 503 Busy\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+    assert head.done and head.status == 503 and head.close and not head.body_seen
+
+
+def test_help_explains_what_is_measured() -> None:
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    text = parser.format_help()
+    for word in ("--sglang-router-bin", "--vllm-router-bin", "--quick", "CPU us/req", "p99"):
+        assert word in text
+
+
+def test_quick_run_reports_latency_rate_cpu_and_scheduling(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    assert main(parser.parse_args(["--quick", "--out", str(tmp_path)])) == 0
+    result = json.loads((tmp_path / "router.json").read_text())
+    assert (tmp_path / "router.png").stat().st_size > 0
+    assert {"config", "pinning", "skipped", "fleets", "micro", "targets"} <= set(result)
+    (fleet,) = result["fleets"]
+    assert fleet["engines"] == 2 and not fleet["failed"]
+    assert fleet["direct"]["throughput"]["req_s"] > 0
+    (row,) = fleet["routers"]
+    assert row["router"] == "kvmesh kvmesh"
+    cases = {"small", "8k", "small_stream_ttfb", "8k_stream_ttfb"}
+    assert set(row["latency"]) == cases == set(fleet["direct"]["latency"])
+    for case, lat in row["latency"].items():
+        assert lat["errors"] == 0 and lat["n"] > 0, case
+        for key in ("p50_ms", "p99_ms", "direct_p50_ms", "direct_p99_ms"):
+            assert lat[key] > 0, (case, key)
+        assert math.isfinite(lat["added_p50_ms"]) and math.isfinite(lat["added_p99_ms"])
+    tp = row["throughput"]
+    assert tp["req_s"] > 0 and tp["errors"] == 0
+    assert tp["router_cpu_us_per_req"] > 0 and tp["engines_cpu_us_per_req"] > 0
+    micro = result["micro"]
+    assert micro["endpoints"] == 64 and micro["blocks"] > 0
+    for phase in ("warm", "cold"):
+        for part in ("total_ms", "tokenize_ms", "hash_ms", "schedule_ms"):
+            assert micro[phase][part]["p50"] > 0 and micro[phase][part]["p99"] > 0
+    assert "kvmesh_added_p50_ms" in result["targets"]["engines_2"]["small"]
+    assert result["targets"]["schedule_warm_p50_ms"] > 0
