@@ -1,0 +1,304 @@
+"""One workload through each routing policy over the same fleet, side by side.
+
+Starts N emulated engines once (or uses --endpoints, e.g. real vLLM pods), then for each policy
+starts a router (kvmesh presets; sglang-router / vllm-router policies as sglang:NAME, vllm:NAME
+where installed), clears the engines' prefix caches, runs the workload through it and stops it.
+Prints hit rate (with the workload's ceiling: an infinite cache on one engine), TTFT p50/p90/p99,
+ITL p50, output tokens/s, requests per engine max/mean, engine busy time, preemptions and errors;
+writes fleet.json and fleet.png (TTFT CDF, hit rate over time, requests per engine) to --out."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from kvmesh.bench import cli_args, loadgen
+from kvmesh.bench.router_procs import URL_RE, Proc, Target, peer_bin, start_router
+from kvmesh.bench.workloads import hit_ceiling
+
+POLICIES = "round-robin,random,load,approx-prefix,precise-prefix,kvmesh"
+# fmt: off
+QUICK = {  # CI-sized workloads, unless the flags say otherwise
+    "agentic": {"sessions": 4, "turns": 3, "system_tokens": 400, "tool_def_tokens": 400,
+                "repos": 2, "repo_tokens": 800, "tool_tokens": 200, "answer_tokens": 16,
+                "think_s": 0.05, "fanout": 2, "fanout_rate": 0.5, "sub_turns": 1},
+    "shared-prefix": {"groups": 2, "prompts_per_group": 6, "system_tokens": 800,
+                      "output_tokens": 16},
+    "trace": {"limit": 40, "rate": 8.0, "max_output": 16},
+}
+# fmt: on
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engines", type=int, default=8, help="Emulated engines [8].")
+    parser.add_argument(
+        "--endpoints",
+        default="",
+        help="Comma-separated engine URLs to use instead of starting engines.",
+    )
+    parser.add_argument(
+        "--policies",
+        default=POLICIES,
+        help=f"Comma-separated kvmesh presets and sglang:P / vllm:P [{POLICIES}].",
+    )
+    parser.add_argument("--emulate-gpu", default="h100", help="Emulated accelerator [h100].")
+    parser.add_argument(
+        "--emulate-model", default="llama-3.1-8b", help="Emulated model [llama-3.1-8b]."
+    )
+    parser.add_argument(
+        "--serve-args",
+        default="",
+        help="Extra `kvmesh serve` flags for the engines, e.g. '--num-gpu-blocks 100000'.",
+    )
+    parser.add_argument("--sglang-router-bin", default=None, help="sglang-router executable.")
+    parser.add_argument("--vllm-router-bin", default=None, help="vllm-router executable.")
+    parser.add_argument("--out", default="bench-fleet", help="Output folder [bench-fleet].")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="CI size: 2 engines, round-robin and kvmesh, a small workload.",
+    )
+    cli_args.add_workload_args(parser)
+
+
+def _targets(spec: str) -> list[Target]:
+    out = []
+    for item in (s.strip() for s in spec.split(",") if s.strip()):
+        kind, _, policy = item.partition(":") if ":" in item else ("kvmesh", "", item)
+        out.append(Target(kind, policy))
+    return out
+
+
+def _event_base(n: int) -> int:
+    """A port P with P..P+2n-1 free (engine i publishes on P+2i, replays on P+2i+1)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + 2 * n > 65535:
+            continue
+        try:
+            for p in range(base, base + 2 * n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free port range for KV events")
+
+
+def start_engines(args: argparse.Namespace, n: int, out: Path) -> tuple[Proc, list[str]]:
+    base = _event_base(n)
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{base}",
+        "replay_endpoint": f"tcp://*:{base + 1}",
+    }
+    cmd = [
+        "env",
+        "KVMESH_DEV_MODE=1",
+        sys.executable,
+        "-m",
+        "kvmesh.cli",
+        "--log-level",
+        "WARNING",
+        "serve",
+        "--emulate",
+        str(n),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--emulate-gpu",
+        args.emulate_gpu,
+        "--emulate-model",
+        args.emulate_model,
+        "--kv-events-config",
+        json.dumps(events),
+        *args.serve_args.split(),
+    ]
+    proc = Proc(cmd, out / "engines.log")
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.popen.poll() is None:
+        urls = URL_RE.findall(proc.tail(100_000))
+        if len(urls) >= n:
+            return proc, urls[:n]
+        time.sleep(0.3)
+    proc.stop()
+    raise RuntimeError(f"emulated engines did not start:\n{proc.tail()}")
+
+
+def reset_caches(urls: list[str]) -> list[str]:
+    """POST /reset_prefix_cache on every engine (retried while busy); the ones that refused."""
+    failed = []
+    for url in urls:
+        for _ in range(40):
+            req = urllib.request.Request(f"{url}/reset_prefix_cache", b"", method="POST")
+            try:
+                with urllib.request.urlopen(req, timeout=10):
+                    break
+            except urllib.error.HTTPError as exc:
+                if exc.code != 503:
+                    failed.append(f"{url}: HTTP {exc.code}")
+                    break
+            except OSError as exc:
+                failed.append(f"{url}: {exc}")
+                break
+            time.sleep(0.25)
+        else:
+            failed.append(f"{url}: busy")
+    return failed
+
+
+def check_targets(wl_kind: str, ceiling: float, rows: dict[str, dict]) -> dict:
+    """The issue's targets, where this run's policies and workload say something about them."""
+    km, rr, out = rows.get("kvmesh"), rows.get("round-robin"), {}
+    if km and wl_kind == "agentic":
+        out["kvmesh_of_ceiling"] = round(km["hit_rate"] / ceiling, 3) if ceiling else None
+        out["kvmesh_of_ceiling_ok"] = bool(ceiling) and km["hit_rate"] >= 0.9 * ceiling
+        if rr and rr["ttft_ms_p90"]:
+            out["kvmesh_ttft_p90_over_rr"] = round(km["ttft_ms_p90"] / rr["ttft_ms_p90"], 3)
+            out["kvmesh_ttft_p90_ok"] = km["ttft_ms_p90"] <= rr["ttft_ms_p90"] / 3
+    if km and wl_kind == "trace":
+        out["kvmesh_hit_rate_ok"] = km["hit_rate"] >= 0.33
+        out["kvmesh_load_ok"] = km["load_max_mean"] <= 1.3
+    return out
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["policies"]
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(17, 4.8))
+    for name, s in rows.items():
+        ok = [r for r in s["records"] if r[7]]
+        ttft = sorted(r[1] for r in ok)
+        a.plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], label=name)
+        ends = sorted(ok, key=lambda r: r[0] + r[2] / 1000)
+        step = max(1, len(ends) // 20)
+        xs, ys = [], []
+        for i in range(0, len(ends), step):
+            win = ends[i : i + step]
+            xs.append(win[-1][0] + win[-1][2] / 1000)
+            ys.append(sum(r[4] for r in win) / max(1, sum(r[3] for r in win)))
+        b.plot(xs, ys, marker=".", label=name)
+    b.axhline(result["ceiling"]["hit_rate"], color="k", ls="--", lw=1, label="ceiling")
+    a.set(xscale="log", xlabel="TTFT, ms", ylabel="fraction of requests", title="TTFT CDF")
+    b.set(
+        xlabel="time, s",
+        ylabel="hit rate (cached / prompt tokens)",
+        ylim=(0, 1.02),
+        title="hit rate over time",
+    )
+    engines = result["engines"]
+    width = 0.8 / max(1, len(rows))
+    for k, (name, s) in enumerate(rows.items()):
+        counts = [s["load"].get(u, 0) for u in engines]
+        c.bar([i + k * width for i in range(len(engines))], counts, width, label=name)
+    c.set(xlabel="engine", ylabel="requests", title="requests per engine")
+    c.set_xticks([i + 0.4 - width / 2 for i in range(len(engines))], range(len(engines)))
+    for ax in (a, b, c):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(result["title"], fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(args: argparse.Namespace) -> int:
+    console = Console() if sys.stdout.isatty() else Console(width=170)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    n, spec = args.engines, args.policies
+    if args.quick:
+        n = 2 if n == 8 else n
+        spec = "round-robin,kvmesh" if spec == POLICIES else spec
+    wl = cli_args.build_workload(args, **(QUICK[args.workload] if args.quick else {}))
+    ceiling = hit_ceiling(wl.requests)
+    targets, skipped = [], []
+    bins = {
+        "sglang": peer_bin("sglang", args.sglang_router_bin),
+        "vllm": peer_bin("vllm", args.vllm_router_bin),
+    }
+    for t in _targets(spec):
+        if t.kind != "kvmesh" and not bins.get(t.kind):
+            skipped.append(f"{t.kind}:{t.policy} ({t.kind}-router not installed)")
+        else:
+            targets.append(t)
+    engines_proc, urls = None, [u.strip().rstrip("/") for u in args.endpoints.split(",") if u]
+    if not urls:
+        console.print(f"starting {n} emulated engines ({args.emulate_model} on {args.emulate_gpu})")
+        engines_proc, urls = start_engines(args, n, out)
+    desc = wl.describe()
+    mode = f"closed loop, {args.concurrency} sessions" if args.concurrency else "open loop"
+    title = (
+        f"{wl.kind}: {desc['requests']} requests, {desc['sessions']} sessions, {mode}, "
+        f"{len(urls)} engines"
+    )
+    console.print(f"{title}; hit-rate ceiling {ceiling['hit_rate']:.3f}")
+    rows: dict[str, dict] = {}
+    try:
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+        ) as progress:
+            for t in targets:
+                name = t.policy if t.kind == "kvmesh" else f"{t.kind}:{t.policy}"
+                for note in reset_caches(urls):
+                    skipped.append(f"prefix cache not reset before {name}: {note}")
+                router, url = start_router(t, urls, [], bins, out)
+                try:
+                    rows[name] = asyncio.run(
+                        loadgen.run_workload(
+                            url,
+                            wl,
+                            concurrency=args.concurrency,
+                            engines=urls,
+                            label=name,
+                            progress=progress,
+                            timeout_s=args.request_timeout,
+                        )
+                    )
+                finally:
+                    router.stop()
+    finally:
+        if engines_proc is not None:
+            engines_proc.stop()
+    for note in skipped:
+        console.print(f"[yellow]note[/] {note}")
+    console.print(loadgen.table(list(rows.items()), ceiling["hit_rate"], title))
+    result = {
+        "title": title,
+        "workload": desc,
+        "ceiling": ceiling,
+        "engines": urls,
+        "concurrency": args.concurrency,
+        "skipped": skipped,
+        "policies": rows,
+        "targets": check_targets(wl.kind, ceiling["hit_rate"], rows),
+    }
+    (out / "fleet.json").write_text(json.dumps(result, indent=1))
+    if rows:
+        plot(result, out / "fleet.png")
+    console.print(f"targets: {result['targets']}")
+    console.print(f"wrote {out / 'fleet.json'} and {out / 'fleet.png'}")
+    bad = [k for k, s in rows.items() if s["errors"] == s["requests"]]
+    return 1 if bad or not rows else 0

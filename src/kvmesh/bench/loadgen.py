@@ -1,0 +1,362 @@
+"""The load client: runs a workload against one OpenAI-compatible URL (an engine, kvmesh's router
+or any other), streaming /v1/completions, open loop (arrival times) or closed loop (sessions in
+flight). Measures TTFT, inter-token latency, end-to-end latency, output tokens/s, errors, the
+hit rate from usage.prompt_tokens_details.cached_tokens, requests per engine (the
+x-kvmesh-endpoint header), and the engines' /metrics counters before and after.
+
+`kvmesh bench agentic|shared-prefix|trace --url URL` runs one workload and writes JSON."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvmesh.bench import cli_args
+from kvmesh.bench.http_load import first_model
+from kvmesh.bench.workloads import Request, Workload, hit_ceiling
+
+ENDPOINT_HEADER = "x-kvmesh-endpoint"
+COUNTERS = {  # engine /metrics counters read before and after a run
+    "queries": "vllm:prefix_cache_queries_total",
+    "hits": "vllm:prefix_cache_hits_total",
+    "preemptions": "vllm:num_preemptions_total",
+    "prompt_tokens": "vllm:prompt_tokens_total",
+    "generation_tokens": "vllm:generation_tokens_total",
+}
+
+
+@dataclass(slots=True)
+class Record:
+    rid: int
+    start: float  # since the run began, s
+    ttft: float = 0.0
+    e2e: float = 0.0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    endpoint: str = ""
+    error: str = ""
+    itls: list[float] = field(default_factory=list)
+
+
+async def send(
+    http: aiohttp.ClientSession, url: str, model: str | None, text: str, r: Request, t0: float
+) -> Record:
+    """One streaming completion; errors are recorded, never raised."""
+    body: dict = {
+        "prompt": text,
+        "max_tokens": r.max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if model:
+        body["model"] = model
+    headers = {"x-session-id": r.agent} if r.agent else {}
+    start = time.perf_counter()
+    rec = Record(r.rid, start - t0)
+    last, usage, chunks = None, {}, 0
+    try:
+        async with http.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
+            rec.endpoint = resp.headers.get(ENDPOINT_HEADER, url)
+            if resp.status != 200:
+                rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return rec
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    rec.error = f"stream error: {str(chunk['error'])[:200]}"
+                    break
+                if chunk.get("choices"):
+                    now = time.perf_counter()
+                    if last is None:
+                        rec.ttft = now - start
+                    else:
+                        rec.itls.append(now - last)
+                    last, chunks = now, chunks + 1
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+        rec.error = f"{type(exc).__name__}: {exc}"[:200]
+    rec.e2e = time.perf_counter() - start
+    details = usage.get("prompt_tokens_details") or {}
+    rec.prompt_tokens = int(usage.get("prompt_tokens", r.prompt_tokens))
+    rec.cached_tokens = int(details.get("cached_tokens") or 0)
+    rec.output_tokens = int(usage.get("completion_tokens", chunks))
+    if not rec.error and last is None:
+        rec.error = "no tokens"
+    return rec
+
+
+async def run_workload(
+    url: str,
+    wl: Workload,
+    *,
+    concurrency: int = 0,
+    engines: list[str] = (),
+    label: str = "",
+    progress: Progress | None = None,
+    timeout_s: float = 600.0,
+) -> dict:
+    """Every request of `wl` against `url`; a request starts once its deps have finished and its
+    delay has passed. Open loop (concurrency 0): each session starts at its arrival time. Closed
+    loop: `concurrency` sessions at a time, in arrival order. Returns summarize's dict."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=30)
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+    ) as http:
+        model = await first_model(http, url)
+        before = await scrape_engines(http, engines)
+        task = progress.add_task(label or wl.kind, total=len(wl.requests)) if progress else None
+        done = {r.rid: asyncio.Event() for r in wl.requests}
+        records: list[Record] = []
+        tally = [0, 0, 0]  # errors, cached tokens, prompt tokens
+        t0 = time.perf_counter()
+
+        async def one(r: Request) -> None:
+            for d in r.deps:
+                await done[d].wait()
+            if r.delay > 0:
+                await asyncio.sleep(r.delay)
+            rec = await send(http, url, model, wl.text(r), r, t0)
+            records.append(rec)
+            done[r.rid].set()
+            tally[0] += bool(rec.error)
+            tally[1] += rec.cached_tokens
+            tally[2] += rec.prompt_tokens if not rec.error else 0
+            if progress is not None:
+                hit = tally[1] / max(1, tally[2])
+                text = f"{label} hit {hit:.2f} err {tally[0]}"
+                progress.update(task, advance=1, description=text)
+
+        async def session(reqs: list[Request]) -> None:
+            await asyncio.gather(*(one(r) for r in reqs))
+
+        sessions = wl.sessions()
+        if concurrency > 0:  # workers share one iterator: each takes the next session
+            it = iter(sessions)
+
+            async def worker() -> None:
+                for s in it:
+                    await session(s)
+
+            await asyncio.gather(*(worker() for _ in range(min(concurrency, len(sessions)))))
+        else:
+            tasks = []
+            for s in sessions:
+                await asyncio.sleep(max(0.0, t0 + s[0].at - time.perf_counter()))
+                tasks.append(asyncio.create_task(session(s)))
+            await asyncio.gather(*tasks)
+        wall = time.perf_counter() - t0
+        after = await scrape_engines(http, engines)
+    records.sort(key=lambda x: x.rid)
+    return summarize(records, wall, before, after, engines)
+
+
+def pct(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100), linearly interpolated; 0 for no values."""
+    if not values:
+        return 0.0
+    v = sorted(values)
+    k = (len(v) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def hit_rate(records: list[Record]) -> float:
+    prompt = sum(r.prompt_tokens for r in records if not r.error)
+    return sum(r.cached_tokens for r in records if not r.error) / prompt if prompt else 0.0
+
+
+def parse_counters(text: str) -> dict[str, float]:
+    """Sums of COUNTERS over every series on a Prometheus text page."""
+    names = {v: k for k, v in COUNTERS.items()}
+    out = dict.fromkeys(COUNTERS, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names:
+            with contextlib.suppress(IndexError, ValueError):
+                out[names[name]] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def scrape_engines(http: aiohttp.ClientSession, engines: list[str]) -> dict[str, dict]:
+    """Each engine's COUNTERS and, from emulated engines, the predicted busy time."""
+
+    async def one(url: str) -> dict:
+        got: dict = {}
+        try:
+            async with http.get(f"{url}/metrics") as resp:
+                got.update(parse_counters(await resp.text()))
+            async with http.get(f"{url}/admin/timing") as resp:
+                if resp.status == 200:
+                    got["busy_s"] = float((await resp.json()).get("predicted_step_s_sum", 0.0))
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            got["error"] = str(exc)[:200]
+        return got
+
+    return dict(zip(engines, await asyncio.gather(*(one(u) for u in engines)), strict=True))
+
+
+def summarize(
+    records: list[Record], wall: float, before: dict, after: dict, engines: list[str]
+) -> dict:
+    ok = [r for r in records if not r.error]
+    ms = [r.ttft * 1000 for r in ok]
+    itl = [x * 1000 for r in ok for x in r.itls]
+    e2e = [r.e2e * 1000 for r in ok]
+    load = {u: 0 for u in engines}
+    for r in records:
+        load[r.endpoint] = load.get(r.endpoint, 0) + 1
+    mean = sum(load.values()) / len(load) if load else 0.0
+    per_engine, deltas = {}, dict.fromkeys([*COUNTERS, "busy_s"], 0.0)
+    for u in engines:
+        a, b = after.get(u, {}), before.get(u, {})
+        d = {k: a.get(k, 0.0) - b.get(k, 0.0) for k in deltas if k in a}
+        d["busy"] = d.get("busy_s", 0.0) / wall if wall > 0 else 0.0
+        per_engine[u] = d
+        for k in deltas:
+            deltas[k] += d.get(k, 0.0)
+    return {
+        "requests": len(records),
+        "errors": len(records) - len(ok),
+        "error_samples": sorted({r.error for r in records if r.error})[:5],
+        "wall_s": round(wall, 3),
+        "hit_rate": round(hit_rate(records), 4),
+        "prompt_tokens": sum(r.prompt_tokens for r in ok),
+        "cached_tokens": sum(r.cached_tokens for r in ok),
+        "output_tokens": sum(r.output_tokens for r in ok),
+        "output_tok_s": round(sum(r.output_tokens for r in ok) / wall, 1) if wall else 0.0,
+        "req_s": round(len(ok) / wall, 3) if wall else 0.0,
+        **{f"ttft_ms_p{q}": round(pct(ms, q), 2) for q in (50, 90, 99)},
+        "ttft_ms_mean": round(sum(ms) / len(ms), 2) if ms else 0.0,
+        "itl_ms_p50": round(pct(itl, 50), 2),
+        "itl_ms_p90": round(pct(itl, 90), 2),
+        "e2e_ms_p50": round(pct(e2e, 50), 2),
+        "e2e_ms_p90": round(pct(e2e, 90), 2),
+        "load": load,
+        "load_max_mean": round(max(load.values()) / mean, 3) if mean else 0.0,
+        "engine_hit_rate": round(deltas["hits"] / deltas["queries"], 4)
+        if deltas["queries"]
+        else None,
+        "preemptions": int(deltas["preemptions"]),
+        "busy_mean": round(sum(d["busy"] for d in per_engine.values()) / len(per_engine), 3)
+        if per_engine
+        else None,
+        "engines": per_engine,
+        # per request, for plots: start s, ttft ms, e2e ms, prompt, cached, output, endpoint, ok
+        "records": [_row(r) for r in records],
+    }
+
+
+def _row(r: Record) -> list:
+    """start s, TTFT ms, e2e ms, prompt, cached, output tokens, endpoint, ok (for plots)"""
+    ms = (round(r.ttft * 1000, 2), round(r.e2e * 1000, 1))
+    return [
+        round(r.start, 3),
+        *ms,
+        r.prompt_tokens,
+        r.cached_tokens,
+        r.output_tokens,
+        r.endpoint,
+        int(not r.error),
+    ]
+
+
+def table(rows: list[tuple[str, dict]], ceiling: float, title: str) -> Table:
+    """A rich table, one row per (name, summary)."""
+    t = Table(title=f"{title}: hit-rate ceiling {ceiling:.3f} (infinite cache, one engine)")
+    cols = "policy|hit rate|of ceiling|TTFT p50|p90|p99|ITL p50|out tok/s|load max/mean|busy"
+    for col in (cols + "|preempt|errors").split("|"):
+        t.add_column(col, justify="left" if col == "policy" else "right")
+    for name, s in rows:
+        busy = s.get("busy_mean")
+        t.add_row(
+            name,
+            f"{s['hit_rate']:.3f}",
+            f"{s['hit_rate'] / ceiling:.0%}" if ceiling else "-",
+            *(f"{s[f'ttft_ms_p{q}']:.0f} ms" for q in (50, 90, 99)),
+            f"{s['itl_ms_p50']:.1f} ms",
+            f"{s['output_tok_s']:.0f}",
+            f"{s['load_max_mean']:.2f}",
+            f"{busy:.0%}" if busy is not None else "-",
+            str(s["preemptions"]),
+            str(s["errors"]),
+        )
+    return t
+
+
+def add_args_workload(parser: argparse.ArgumentParser, kind: str) -> None:
+    parser.add_argument(
+        "--url",
+        default="http://127.0.0.1:8000",
+        help="Base URL of the OpenAI-compatible server [http://127.0.0.1:8000].",
+    )
+    parser.add_argument(
+        "--engine-metrics",
+        default="",
+        help="Comma-separated engine base URLs whose /metrics are read before "
+        "and after (prefix hits, preemptions) [none].",
+    )
+    parser.add_argument("--out", default=f"bench-{kind}", help=f"Output folder [bench-{kind}].")
+    parser.add_argument("--kind", default=kind, help=argparse.SUPPRESS)
+    cli_args.add_workload_args(parser, (kind,))
+
+
+def main_workload(args: argparse.Namespace) -> int:
+    wl = cli_args.build_workload(args, args.kind)
+    engines = [u.strip().rstrip("/") for u in args.engine_metrics.split(",") if u.strip()]
+    console = Console() if sys.stdout.isatty() else Console(width=170)
+    console.print(f"{wl.kind}: {wl.describe()['requests']} requests against {args.url}")
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    ) as progress:
+        result = asyncio.run(
+            run_workload(
+                args.url.rstrip("/"),
+                wl,
+                concurrency=args.concurrency,
+                engines=engines,
+                label=wl.kind,
+                progress=progress,
+                timeout_s=args.request_timeout,
+            )
+        )
+    ceiling = hit_ceiling(wl.requests)
+    console.print(table([(args.url, result)], ceiling["hit_rate"], wl.kind))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{wl.kind}.json"
+    doc = {
+        "workload": wl.describe(),
+        "ceiling": ceiling,
+        "url": args.url,
+        "concurrency": args.concurrency,
+        "result": result,
+    }
+    path.write_text(json.dumps(doc, indent=1))
+    console.print(f"wrote {path}")
+    return 1 if result["errors"] == result["requests"] else 0

@@ -1,0 +1,285 @@
+"""Workloads for the load client: agentic sessions, shared-prefix groups (as inference-perf) and
+Mooncake trace replay, with the hit-rate ceiling of each (an infinite cache on one engine).
+
+A prompt is a tuple of segments ``(key, length)``; a segment's text is ``length`` words drawn
+deterministically from ``key`` and the seed (a shorter length gives a prefix of a longer one).
+Every word of VOCAB is one token in SmolLM2's and most BPE tokenizers, with or without a leading
+space, so the words joined by spaces are exactly ``sum(length)`` tokens and equal segment
+sequences give equal token blocks. Times are seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+from kvmesh.bench.http_load import WORDS
+
+# one token each in SmolLM2's tokenizer with and without a leading space (checked by a test)
+_SPLIT = {"saw", "looked", "asked", "took", "began"}  # two tokens without the space
+VOCAB: tuple[str, ...] = tuple(w for w in dict.fromkeys(WORDS) if w not in _SPLIT)
+TRACE_BLOCK = 512  # Mooncake hash_ids cover 512-token blocks
+
+Seg = tuple[str, int]
+
+
+@dataclass(slots=True)
+class Request:
+    rid: int
+    session: int  # the unit of arrival (open loop) and of concurrency (closed loop)
+    prompt: tuple[Seg, ...]
+    max_tokens: int
+    deps: tuple[int, ...] = ()  # requests of the same session that must finish first
+    delay: float = 0.0  # think / tool time after the deps finish (or after the session starts)
+    at: float = 0.0  # the session's arrival offset (open loop)
+    agent: str = ""  # x-session-id ("" for none)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(n for _, n in self.prompt)
+
+
+@dataclass
+class Workload:
+    kind: str
+    requests: list[Request]  # rids 0..n-1; deps come before their dependents
+    seed: int = 0
+    params: dict = field(default_factory=dict)
+
+    def sessions(self) -> list[list[Request]]:
+        """Requests grouped by session, sessions ordered by arrival."""
+        by: dict[int, list[Request]] = {}
+        for r in self.requests:
+            by.setdefault(r.session, []).append(r)
+        return sorted(by.values(), key=lambda rs: (rs[0].at, rs[0].session))
+
+    def text(self, request: Request) -> str:
+        return prompt_text(request.prompt, self.seed)
+
+    def describe(self) -> dict:
+        tokens = [r.prompt_tokens for r in self.requests]
+        return {
+            "kind": self.kind,
+            "seed": self.seed,
+            "requests": len(self.requests),
+            "sessions": len({r.session for r in self.requests}),
+            "prompt_tokens_total": sum(tokens),
+            "prompt_tokens_mean": round(sum(tokens) / max(1, len(tokens)), 1),
+            "prompt_tokens_max": max(tokens, default=0),
+            "output_tokens_total": sum(r.max_tokens for r in self.requests),
+            **self.params,
+        }
+
+
+@lru_cache(maxsize=8192)
+def segment_words(key: str, length: int, seed: int) -> str:
+    rng = random.Random(f"{seed}|{key}")
+    return " ".join(rng.choices(VOCAB, k=length))
+
+
+def prompt_text(prompt: tuple[Seg, ...], seed: int) -> str:
+    return " ".join(segment_words(k, n, seed) for k, n in prompt if n > 0)
+
+
+def hit_ceiling(requests: list[Request], block_size: int = 16) -> dict:
+    """Prompt tokens an infinite prefix cache would serve, requests taken in list order: the
+    leading full blocks already seen in an earlier prompt. As vLLM, at most the first
+    (n - 1) // block_size blocks of an n-token prompt can hit; all n // block_size are stored."""
+    seen: set[int] = set()
+    hit = total = 0
+    for r in requests:
+        n = r.prompt_tokens
+        total += n
+        keys = _block_keys(r.prompt, block_size)
+        limit, run = (n - 1) // block_size, 0
+        while run < limit and keys[run] in seen:
+            run += 1
+        hit += run * block_size
+        seen.update(keys)
+    return {
+        "hit_tokens": hit,
+        "prompt_tokens": total,
+        "hit_rate": hit / total if total else 0.0,
+        "block_size": block_size,
+    }
+
+
+def _block_keys(prompt: tuple[Seg, ...], block_size: int) -> list[int]:
+    """Chained identities of the prompt's full blocks: equal keys mean equal tokens and equal
+    prefixes (segment text is a function of key and offset only)."""
+    keys: list[int] = []
+    pieces: list[tuple[str, int, int]] = []
+    fill, prev = 0, 0
+    for key, length in prompt:
+        pos = 0
+        while pos < length:
+            take = min(block_size - fill, length - pos)
+            pieces.append((key, pos, pos + take))
+            pos, fill = pos + take, fill + take
+            if fill == block_size:
+                prev = hash((prev, *pieces))
+                keys.append(prev)
+                pieces, fill = [], 0
+    return keys
+
+
+def _size(rng: random.Random, mean: float, sigma: float = 0.5) -> int:
+    """A lognormal draw with the given mean, clipped to [mean / 8, mean * 4] and >= 1."""
+    if mean <= 0:
+        return 0
+    x = mean * math.exp(rng.gauss(-sigma * sigma / 2, sigma))
+    return max(1, int(min(max(x, mean / 8), mean * 4)))
+
+
+def _arrivals(rng: random.Random, n: int, rate: float) -> list[float]:
+    """Poisson arrival offsets at `rate` per second (all at 0 when rate <= 0)."""
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        if rate > 0:
+            t += rng.expovariate(rate)
+    return out
+
+
+def agentic(
+    sessions: int = 16,
+    turns: int = 6,
+    system_tokens: int = 1500,
+    tool_def_tokens: int = 1500,
+    repos: int = 4,
+    repo_tokens: int = 4000,
+    task_tokens: int = 200,
+    tool_tokens: int = 600,
+    answer_tokens: int = 120,
+    think_s: float = 1.0,
+    fanout: int = 3,
+    fanout_rate: float = 0.2,
+    sub_turns: int = 2,
+    sub_task_tokens: int = 150,
+    return_tokens: int = 150,
+    session_rate: float = 0.0,
+    seed: int = 0,
+) -> Workload:
+    """Coding-agent sessions: system prompt + tool definitions (shared by all), one of `repos`
+    repository contexts, a task; each turn appends the answer and a tool output, so the context
+    grows; think/tool time between turns; at a turn, with probability `fanout_rate`, `fanout`
+    sub-agents start from the parent's context, run `sub_turns` turns each, and their results are
+    appended to the parent's next turn."""
+    params = {k: v for k, v in locals().items() if k != "seed"}
+    rng = random.Random(seed)
+    reqs: list[Request] = []
+
+    def add(
+        s: int, ctx: list[Seg], out: int, deps: tuple[int, ...], delay: float, at: float, agent: str
+    ) -> int:
+        reqs.append(Request(len(reqs), s, tuple(ctx), out, deps, delay, at, agent))
+        return len(reqs) - 1
+
+    for s, at in enumerate(_arrivals(rng, sessions, session_rate)):
+        ctx: list[Seg] = [("system", system_tokens), ("tools", tool_def_tokens)]
+        ctx += [(f"repo{rng.randrange(max(1, repos))}", repo_tokens), (f"task{s}", task_tokens)]
+        deps: tuple[int, ...] = ()
+        for t in range(turns):
+            delay = _think(rng, think_s) if deps else 0.0
+            ans = _size(rng, answer_tokens)
+            rid = add(s, ctx, ans, deps, delay, at, f"s{s}")
+            ctx += [(f"a{s}.{t}", ans), (f"o{s}.{t}", _size(rng, tool_tokens))]
+            deps = (rid,)
+            if t == turns - 1 or fanout <= 0 or rng.random() >= fanout_rate:
+                continue
+            ends = []
+            for j in range(fanout):
+                cctx, cdeps = [*ctx, (f"st{s}.{t}.{j}", _size(rng, sub_task_tokens))], deps
+                for k in range(max(1, sub_turns)):
+                    ans = _size(rng, answer_tokens)
+                    cdeps = (add(s, cctx, ans, cdeps, _think(rng, think_s), at, f"s{s}.{t}.{j}"),)
+                    cctx += [
+                        (f"a{s}.{t}.{j}.{k}", ans),
+                        (f"o{s}.{t}.{j}.{k}", _size(rng, tool_tokens)),
+                    ]
+                ends.append(cdeps[0])
+                ctx.append((f"r{s}.{t}.{j}", _size(rng, return_tokens)))
+            deps = tuple(ends)
+    return Workload("agentic", reqs, seed, params)
+
+
+def _think(rng: random.Random, mean: float) -> float:
+    return rng.expovariate(1 / mean) if mean > 0 else 0.0
+
+
+def shared_prefix(
+    groups: int = 8,
+    prompts_per_group: int = 16,
+    system_tokens: int = 2000,
+    question_tokens: int = 200,
+    output_tokens: int = 100,
+    rate: float = 0.0,
+    seed: int = 0,
+) -> Workload:
+    """inference-perf's shared_prefix: `groups` system prompts, each followed by
+    `prompts_per_group` distinct questions; requests in a seeded random order, Poisson at
+    `rate` (or all at once for a closed loop)."""
+    params = {k: v for k, v in locals().items() if k != "seed"}
+    rng = random.Random(seed)
+    pairs = [(g, i) for g in range(groups) for i in range(prompts_per_group)]
+    rng.shuffle(pairs)
+    reqs = []
+    for rid, ((g, i), at) in enumerate(zip(pairs, _arrivals(rng, len(pairs), rate), strict=True)):
+        prompt = ((f"sp{g}", system_tokens), (f"q{g}.{i}", question_tokens))
+        reqs.append(Request(rid, rid, prompt, output_tokens, at=at))
+    return Workload("shared-prefix", reqs, seed, params)
+
+
+def mooncake(
+    path: str | Path,
+    limit: int = 0,
+    start: int = 0,
+    time_scale: float = 1.0,
+    rate: float = 0.0,
+    max_output: int = 0,
+    seed: int = 0,
+) -> Workload:
+    """Mooncake-format trace replay (timestamp ms, input_length, output_length, hash_ids of
+    512-token blocks): block h is the same 512 words wherever it appears (the last block of a
+    prompt is cut to its input length), so the reuse is exactly the trace's. Arrival offsets are
+    the timestamps times `time_scale`, or rescaled to a mean of `rate` requests/s when given."""
+    params = {
+        "trace": str(path),
+        "limit": limit,
+        "start": start,
+        "time_scale": time_scale,
+        "rate": rate,
+        "max_output": max_output,
+    }
+    rows = []
+    with open(path) as f:
+        for i, line in enumerate(f):
+            if i < start or not line.strip():
+                continue
+            if limit and len(rows) >= limit:
+                break
+            rows.append(json.loads(line))
+    t0 = rows[0]["timestamp"] if rows else 0
+    span = (rows[-1]["timestamp"] - t0) / 1000 if rows else 0.0
+    scale = (len(rows) - 1) / span / rate if rate > 0 and span > 0 else time_scale
+    reqs = []
+    for rid, row in enumerate(rows):
+        ids, n = row["hash_ids"], int(row["input_length"])
+        prompt = tuple(
+            (f"h{h}", min(TRACE_BLOCK, n - j * TRACE_BLOCK))
+            for j, h in enumerate(ids)
+            if n > j * TRACE_BLOCK
+        )
+        tail = n - TRACE_BLOCK * len(ids)
+        if tail > 0:  # longer than its blocks: unshared words after them
+            prompt += ((f"tail{start + rid}", tail),)
+        out = max(1, int(row["output_length"]))
+        out = min(out, max_output) if max_output else out
+        at = (row["timestamp"] - t0) / 1000 * scale
+        reqs.append(Request(rid, rid, prompt, out, at=at))
+    params["span_s"] = round(span * scale, 3)
+    return Workload("trace", reqs, seed, params)

@@ -1,0 +1,46 @@
+"""`kvmesh bench fleet --quick` end to end: 2 emulated engines started through the CLI, a router
+per policy (round-robin, kvmesh), the same agentic workload through each."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from kvmesh.bench import fleet, loadgen
+
+
+def test_parse_counters_sums_series() -> None:
+    page = (
+        "# HELP vllm:prefix_cache_hits_total x\n"
+        'vllm:prefix_cache_hits_total{engine="0"} 32.0\n'
+        'vllm:prefix_cache_hits_total{engine="1"} 16.0\n'
+        'vllm:prefix_cache_queries_total{engine="0"} 100.0\n'
+        "vllm:prefix_cache_hits_created 1.7e9\n"
+    )
+    got = loadgen.parse_counters(page)
+    assert got["hits"] == 48 and got["queries"] == 100 and got["preemptions"] == 0
+    assert loadgen.pct([1, 2, 3, 4], 50) == 2.5 and loadgen.pct([], 90) == 0.0
+
+
+def test_quick_fleet_run(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    fleet.add_args(parser)
+    assert fleet.main(parser.parse_args(["--quick", "--out", str(tmp_path)])) == 0
+    result = json.loads((tmp_path / "fleet.json").read_text())
+    assert (tmp_path / "fleet.png").stat().st_size > 0
+    assert list(result["policies"]) == ["round-robin", "kvmesh"]
+    assert len(result["engines"]) == 2
+    assert not [s for s in result["skipped"] if "not reset" in s]
+    ceiling = result["ceiling"]["hit_rate"]
+    assert 0.5 < ceiling < 1
+    n = result["workload"]["requests"]
+    for s in result["policies"].values():
+        assert s["requests"] == n and s["errors"] == 0
+        assert 0 < s["hit_rate"] <= ceiling + 0.02
+        assert s["ttft_ms_p50"] > 0 and s["itl_ms_p50"] > 0 and s["output_tok_s"] > 0
+        assert sum(s["load"].values()) == n and set(s["load"]) == set(result["engines"])
+        assert s["load_max_mean"] >= 1
+        assert s["engine_hit_rate"] is not None and s["preemptions"] == 0
+        # the client's view of the cache (usage.cached_tokens) agrees with the engines' metrics
+        assert abs(s["engine_hit_rate"] - s["hit_rate"]) < 0.02
