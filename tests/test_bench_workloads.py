@@ -103,3 +103,27 @@ def test_trace_block_reuse_equals_hash_id_reuse(tokenizer) -> None:
     assert t0[:512] == t1[:512] and t0[512:1024] != t1[512:1024]  # block 0 shared, then not
     rate = w.mooncake(TRACE, limit=300, rate=10.0)
     assert (len(rate.requests) - 1) / rate.requests[-1].at == pytest.approx(10.0)
+
+
+def test_command_line_builds_each_workload() -> None:
+    import argparse
+
+    from kvmesh.bench import cli_args, loadgen
+
+    for kind, flags in (
+        ("agentic", ["--sessions", "2", "--turns", "2", "--fanout", "0"]),
+        ("shared-prefix", ["--groups", "2", "--prompts-per-group", "3", "--rate", "4"]),
+        ("trace", ["--trace", str(TRACE), "--trace-limit", "5", "--time-scale", "0.1"]),
+    ):
+        if kind == "trace" and not TRACE.exists():
+            continue
+        parser = argparse.ArgumentParser()
+        loadgen.add_args_workload(parser, kind)
+        wl = cli_args.build_workload(parser.parse_args(flags), kind)
+        assert wl.kind == kind and wl.requests
+    assert len(wl.requests) == 5
+    parser = argparse.ArgumentParser()
+    cli_args.add_workload_args(parser)  # every kind at once: shared flags appear once
+    args = parser.parse_args(["--workload", "shared-prefix", "--system-tokens", "64"])
+    wl = cli_args.build_workload(args, groups=1, prompts_per_group=2)
+    assert [r.prompt[0] for r in wl.requests] == [("sp0", 64)] * 2

@@ -161,6 +161,22 @@ def reset_caches(urls: list[str]) -> list[str]:
     return failed
 
 
+def router_metrics(url: str) -> dict[str, float]:
+    """kvmesh router gauges and counters worth keeping (index sizes, predicted hits)."""
+    out: dict[str, float] = {}
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        if line.startswith("kvmesh_router_") and not line.startswith("kvmesh_router_sched"):
+            key, _, value = line.rpartition(" ")
+            if "_created" not in key and "in_flight" not in key and "healthy" not in key:
+                out[key] = float(value)
+    return out
+
+
 def check_targets(wl_kind: str, ceiling: float, rows: dict[str, dict]) -> dict:
     """The issue's targets, where this run's policies and workload say something about them."""
     km, rr, out = rows.get("kvmesh"), rows.get("round-robin"), {}
@@ -277,6 +293,15 @@ def main(args: argparse.Namespace) -> int:
                             timeout_s=args.request_timeout,
                         )
                     )
+                    rows[name]["router_metrics"] = rm = router_metrics(url)
+                    if (
+                        t.kind == "kvmesh"
+                        and t.policy in ("precise-prefix", "kvmesh")
+                        and not rm.get('kvmesh_router_index_entries{index="precise"}')
+                    ):
+                        skipped.append(
+                            f"{name}: the router's precise index stayed empty (no KV events)"
+                        )
                 finally:
                     router.stop()
     finally:

@@ -79,8 +79,8 @@ async def send(
                 if not line.startswith(b"data:"):
                     continue
                 data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
+                if data == b"[DONE]":  # read on to the end: the server closes the stream
+                    continue
                 chunk = json.loads(data)
                 if "error" in chunk:
                     rec.error = f"stream error: {str(chunk['error'])[:200]}"
