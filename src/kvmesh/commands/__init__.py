@@ -1,0 +1,1 @@
+"""The bodies of the `kvmesh` subcommands; `kvmesh.cli` builds the parser."""

