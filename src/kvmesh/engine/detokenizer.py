@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvmesh.engine.tokenizer import rust_backend
+
 
 @dataclass(slots=True)
 class IncrementalDetokenizer:
@@ -19,12 +21,27 @@ class IncrementalDetokenizer:
     emitted: int = 0  # characters of `text` already released to the client
     prefix_offset: int = 0
     read_offset: int = 0
+    _backend: object = None  # the Rust tokenizer, when it decodes exactly as the wrapper
+    _stream: object = None  # its incremental decoder (one Rust call a token)
+    _stopped: bool = False  # text was cut at a stop string
+
+    def __post_init__(self) -> None:
+        self._backend = rust_backend(self.tokenizer)
+        if self._backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+        if self._stream is not None:
+            piece = self._stream.step(self._backend, token_id)
+            if piece:
+                self.text += piece
+            return
         prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.token_ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
@@ -45,13 +62,19 @@ class IncrementalDetokenizer:
         if best is None:
             return None
         pos, s = best
+        self._stopped = True
         self.text = (
             self.text[: pos + len(s)] if self.include_stop_str_in_output else self.text[:pos]
         )
         return s
 
     def release(self, final: bool) -> str:
-        """Text safe to send now; on the final call, everything left."""
+        """Text safe to send now; on the final call, everything left (including a trailing
+        U+FFFD that was held back in case the next token completed a character)."""
+        if final and not self._stopped and self.token_ids:
+            full = self._decode(self.token_ids)
+            if len(full) > len(self.text) and full.startswith(self.text):
+                self.text = full
         end = len(self.text)
         if not final and self.stop and not self.include_stop_str_in_output:
             hold = max(len(s) for s in self.stop) - 1

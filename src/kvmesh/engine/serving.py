@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from kvmesh.engine.async_engine import AsyncEngine, EngineOverloaded
 from kvmesh.engine.core import RequestOutput
 from kvmesh.engine.sequence import Request, SamplingParams
+from kvmesh.engine.tokenizer import encode
 from kvmesh.protocol.openai import (
     APIError,
     ChatCompletionRequest,
@@ -62,7 +63,7 @@ class OpenAIServing:
             raise APIError(f"The model `{model}` does not exist.", 404, "model")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return encode(self.tokenizer, text, add_special_tokens)
 
     def render_chat(self, req: ChatCompletionRequest) -> list[int]:
         messages = [{k: v for k, v in msg_dict(m).items() if v is not None} for m in req.messages]
