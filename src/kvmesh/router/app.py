@@ -1,32 +1,33 @@
-"""The router's HTTP front door: parse, tokenize, schedule, then stream the chosen endpoint's
-answer back byte for byte (no re-encoding), retrying elsewhere before the first byte."""
+"""The router: parse, tokenize, schedule, then stream the chosen endpoint's answer back byte for
+byte (no re-encoding), retrying elsewhere before the first byte. The wire is router.proxy."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlparse
 
 import aiohttp
 import msgspec
-from aiohttp import web
 
-from kvmesh.protocol.openai import error_body
 from kvmesh.router.endpoints import Endpoint, EndpointPool
 from kvmesh.router.events import EventIngest
+from kvmesh.router.frontdoor import FrontDoor, Request
 from kvmesh.router.index import ApproximateIndex, PreciseIndex
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.pd import prefill_remotely
 from kvmesh.router.pipeline import Pipeline, SchedulingResult
-from kvmesh.router.plugins import SchedulingRequest
+from kvmesh.router.plugins import SchedulingRequest, needs_tokens
+from kvmesh.router.proxy import Exchange, Upstream, UpstreamError, UpstreamPool
 
 logger = logging.getLogger(__name__)
 decisions = logging.getLogger("kvmesh.router.decisions")
-HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server"}
+INFERENCE_PATHS = frozenset(("/v1/completions", "/v1/chat/completions"))
+_BROKE = b'data: {"error": {"message": "upstream stream broke", "type": "InternalServerError", "code": 502}}\n\n'  # noqa: E501
 
 
 @dataclass(slots=True)
@@ -46,6 +47,26 @@ class RouterConfig:
     approx_capacity_per_endpoint: int = 31_250
     first_byte_timeout: float = 600.0
     prefill_max_retries: int = 0  # P/D: prefill attempts beyond the first before falling back
+
+
+@dataclass(slots=True)
+class Link:
+    """How the router talks to one endpoint: its keep-alive pool and the header lines it adds."""
+
+    url: str
+    pool: UpstreamPool
+    tag: bytes  # response header naming the endpoint
+    headers: str  # request header lines for this endpoint (Host, data-parallel rank)
+
+    @classmethod
+    def of(cls, e: Endpoint) -> Link:
+        u = urlparse(e.url)
+        port = u.port or (443 if u.scheme == "https" else 80)
+        pool = UpstreamPool(u.hostname or "127.0.0.1", port, ssl=u.scheme == "https")
+        headers = f"Host: {u.netloc}\r\n"
+        if e.dp_rank is not None:
+            headers += f"X-data-parallel-rank: {e.dp_rank}\r\n"
+        return cls(e.url, pool, f"x-kvmesh-endpoint: {e.name}".encode("latin-1"), headers)
 
 
 class ChatFields(msgspec.Struct):
@@ -75,6 +96,8 @@ class Router:
         else:
             self.pipeline = Pipeline.preset(config.preset, self)
         self.tokens = PromptTokenizer(tokenizer, config.block_size, config.prefix_caching_hash_algo)
+        # a profile of load scorers alone never reads token ids: do not tokenize for it
+        self.tokenize = needs_tokens(self.pipeline)
         endpoints = [Endpoint(u, kv_events=config.kv_events) for u in config.endpoints]
         self.pool = EndpointPool(
             endpoints, config.scrape_interval, config.endpoints_file, on_removed=self._removed
@@ -82,8 +105,18 @@ class Router:
         self.metrics = RouterMetrics()
         self.session: aiohttp.ClientSession | None = None
         self.events: EventIngest | None = None
+        self.links: dict[str, Link] = {}
+
+    def link(self, e: Endpoint) -> Link:
+        link = self.links.get(e.name)
+        if link is None or link.url != e.url:
+            link = self.links[e.name] = Link.of(e)
+        return link
 
     def _removed(self, name: str) -> None:
+        link = self.links.pop(name, None)
+        if link is not None:
+            link.pool.close()
         self.approximate_index.remove_endpoint(name)
         if self.events is not None:
             self.events.forget(name)
@@ -117,36 +150,43 @@ class Router:
             await self.events.stop()
         if self.session is not None:
             await self.session.close()
+        for link in self.links.values():
+            link.pool.close()
 
     # ---- scheduling -----------------------------------------------------------------------
     def scheduling_request(self, body: bytes, path: str, headers) -> SchedulingRequest:
         fields = _decoder.decode(body)
+        ids: list[int] = []
         if path.endswith("/chat/completions"):
             if not fields.messages:
                 raise ValueError("messages must be a non-empty list")
-            ids = self.tokens.encode_chat(
-                fields.messages,
-                tools=fields.tools,
-                add_generation_prompt=fields.add_generation_prompt,
-                **(fields.chat_template_kwargs or {}),
-            )
+            if self.tokenize:
+                ids = self.tokens.encode_chat(
+                    fields.messages,
+                    tools=fields.tools,
+                    add_generation_prompt=fields.add_generation_prompt,
+                    **(fields.chat_template_kwargs or {}),
+                )
         else:
             p = fields.prompt
             if isinstance(p, list) and p and isinstance(p[0], (str, list)):
                 p = p[0]  # a batch: route by its first prompt
             if isinstance(p, str):
-                ids = self.tokens.encode_completion(p, fields.add_special_tokens)
+                if self.tokenize:
+                    ids = self.tokens.encode_completion(p, fields.add_special_tokens)
             elif isinstance(p, list) and all(isinstance(t, int) for t in p):
                 ids = list(p)
             else:
                 raise ValueError("prompt must be a string or a list of token ids")
-        rid = headers.get("X-Request-Id") or uuid.uuid4().hex
-        keys = self.tokens.block_keys(ids, cache_salt=fields.cache_salt)
+        rid = headers.get("x-request-id") or uuid.uuid4().hex
+        keys = self.tokens.block_keys(ids, cache_salt=fields.cache_salt) if self.tokenize else []
         hdrs = {k.lower(): v for k, v in headers.items()}
         return SchedulingRequest(rid, fields.model, ids, keys, hdrs, self.config.block_size)
 
     def pick(self, req: SchedulingRequest, exclude: set[str]) -> SchedulingResult | None:
-        candidates = [e for e in self.pool.candidates() if e.name not in exclude]
+        candidates = self.pool.candidates()
+        if exclude:
+            candidates = [e for e in candidates if e.name not in exclude]
         if not candidates:
             return None
         result = self.pipeline.schedule(req, candidates)
@@ -163,15 +203,35 @@ class Router:
         return result if result.primary is not None else None
 
     # ---- HTTP -----------------------------------------------------------------------------
-    async def handle_inference(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
+    async def handle(self, door: FrontDoor, request: Request) -> None:
+        path, method = request.path, request.method
+        if path in INFERENCE_PATHS:
+            if method != "POST":
+                return door.respond_error(405, f"{method} is not allowed on {path}.")
+            return await self.handle_inference(door, request)
+        if method not in ("GET", "HEAD") or path not in ("/v1/models", "/health", "/metrics"):
+            return door.respond_error(404, f"No route for {method} {path}.")
+        if path == "/health":
+            return door.respond(200 if self.pool.candidates() else 503, b"", "text/plain")
+        if path == "/metrics":
+            return door.respond(200, self.render_metrics(), "text/plain; version=0.0.4")
+        for e in self.pool.candidates():
+            link = self.link(e)
+            head = f"GET /v1/models HTTP/1.1\r\n{link.headers}\r\n".encode("latin-1")
+            sent = await self._send(door, e, [head], 5.0)
+            if isinstance(sent, tuple) and sent[0].status < 500:
+                await self._relay(door, e, *sent)
+                return
+        door.respond_error(503, "No healthy endpoint.", "Retry-After: 1\r\n")
+
+    async def handle_inference(self, door: FrontDoor, request: Request) -> None:
         t0 = time.perf_counter()
         try:
-            req = self.scheduling_request(body, request.path, request.headers)
+            req = self.scheduling_request(request.body, request.path, request.headers)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
-            return _error(f"Invalid request: {exc}", 400)
+            return door.respond_error(400, f"Invalid request: {exc}")
         except Exception as exc:  # a chat template that rejects the messages, etc.
-            return _error(f"Could not tokenize the request: {exc}", 400)
+            return door.respond_error(400, f"Could not tokenize the request: {exc}")
         tried: set[str] = set()
         for attempt in range(self.config.max_retries + 1):
             result = self.pick(req, tried)
@@ -183,99 +243,112 @@ class Router:
             tried.add(endpoint.name)
             if attempt:
                 self.metrics.retries.inc()
-            send = body
+            send = request.body
             if result.prefill is not None:
-                send = await prefill_remotely(self, request.path, body, req, result.prefill)
-            resp = await self._forward(request, send, req, endpoint)
-            if resp is not None:
-                return resp
-        return _error("No healthy endpoint could serve the request.", 503, {"Retry-After": "1"})
+                send = await prefill_remotely(self, request.path, send, req, result.prefill)
+            if await self._forward(door, request, send, req, endpoint):
+                return
+        door.respond_error(
+            503, "No healthy endpoint could serve the request.", "Retry-After: 1\r\n"
+        )
 
     async def _forward(
-        self, request: web.Request, body: bytes, req: SchedulingRequest, e: Endpoint
-    ) -> web.StreamResponse | None:
-        """Stream e's answer back; None when e failed before the first byte (try another)."""
-        assert self.session is not None
-        headers = {"Content-Type": "application/json", "X-Request-Id": req.request_id}
+        self, door: FrontDoor, request: Request, body: bytes, req: SchedulingRequest, e: Endpoint
+    ) -> bool:
+        """Stream e's answer back: True once the client has it (whole, or broken mid-stream);
+        False when e failed before the first byte (try another)."""
+        link = self.link(e)
+        auth = request.headers.get("authorization")
+        head = (
+            f"POST {request.target} HTTP/1.1\r\n{link.headers}Content-Type: application/json\r\n"
+            f"X-Request-Id: {req.request_id}\r\nContent-Length: {len(body)}\r\n"
+            + (f"Authorization: {auth}\r\n\r\n" if auth else "\r\n")
+        ).encode("latin-1")
+        tokens = len(req.token_ids)
         e.in_flight += 1
-        e.in_flight_tokens += len(req.token_ids)
-        resp: web.StreamResponse | None = None
+        e.in_flight_tokens += tokens
         try:
-            try:
-                upstream = await self.session.post(
-                    e.url + request.path,
-                    data=body,
-                    headers=headers,
-                    timeout=aiohttp.ClientTimeout(sock_connect=5, sock_read=None, total=None),
-                )
-            except (TimeoutError, aiohttp.ClientError, OSError):
-                e.mark_failure(time.monotonic())
-                self.metrics.requests.labels(e.name, "connect_error").inc()
-                return None
-            async with upstream:
-                if upstream.status >= 500:
-                    self.metrics.requests.labels(e.name, f"http_{upstream.status}").inc()
-                    return None
-                self._record_decision(req, e)
-                resp = web.StreamResponse(
-                    status=upstream.status,
-                    headers={
-                        **{
-                            k: v
-                            for k, v in upstream.headers.items()
-                            if k.lower() not in HOP_HEADERS
-                        },
-                        "x-kvmesh-endpoint": e.name,
-                    },
-                )
-                await resp.prepare(request)
-                async for chunk in upstream.content.iter_any():
-                    await resp.write(chunk)
-                await resp.write_eof()
-                self.metrics.requests.labels(
-                    e.name, "ok" if upstream.status < 400 else f"http_{upstream.status}"
-                ).inc()
-                return resp
-        except (TimeoutError, aiohttp.ClientError, ConnectionResetError) as exc:
-            # failed mid-stream: the client already has bytes, so end its stream
-            self.metrics.requests.labels(e.name, "stream_error").inc()
-            logger.warning("stream from %s broke: %s", e.name, exc)
-            if resp is not None:
-                with contextlib.suppress(Exception):
-                    await resp.write(
-                        b'data: {"error": {"message": "upstream stream broke", '
-                        b'"type": "InternalServerError", "code": 502}}\n\n'
-                    )
-                return resp
-            return None
+            sent = await self._send(door, e, [head, body], self.config.first_byte_timeout)
+            if isinstance(sent, str):
+                self.metrics.count(e.name, sent)
+                return False
+            ex, conn = sent
+            if ex.status >= 500:
+                self.metrics.count(e.name, f"http_{ex.status}")
+                return False
+            self._record_decision(req, e)
+            await self._relay(door, e, ex, conn)
+            return True
         finally:
             e.in_flight -= 1
-            e.in_flight_tokens -= len(req.token_ids)
+            e.in_flight_tokens -= tokens
+
+    async def _send(
+        self, door: FrontDoor, e: Endpoint, parts: list[bytes], first_byte_timeout: float
+    ) -> tuple[Exchange, Upstream] | str:
+        """Send parts to e; once its answer's head is in (passed on unless 5xx), the exchange;
+        before that, the failure as a metrics outcome. A pooled connection that the endpoint
+        had closed meanwhile is retried on a fresh one."""
+        link = self.link(e)
+        loop = asyncio.get_running_loop()
+        for fresh in (False, True):
+            conn = None if fresh else link.pool.take()
+            reused = conn is not None
+            if conn is None:
+                try:
+                    conn = await link.pool.connect(5.0)
+                except (OSError, TimeoutError):
+                    e.mark_failure(time.monotonic())
+                    return "connect_error"
+            ex = Exchange(door, link.tag)
+            door.upstream = conn
+            conn.send(parts, ex)
+            timer = loop.call_later(first_byte_timeout, ex.on_timeout)
+            try:
+                await ex.head
+            except UpstreamError:
+                if reused and not conn.got_bytes:
+                    continue  # the endpoint had closed this idle connection
+                e.mark_failure(time.monotonic())
+                return "connect_error"
+            except TimeoutError:
+                conn.abort()
+                e.mark_failure(time.monotonic())
+                return "timeout"
+            except asyncio.CancelledError:  # the client went away
+                conn.abort()
+                raise
+            finally:
+                timer.cancel()
+            return ex, conn
+        return "connect_error"
+
+    async def _relay(self, door: FrontDoor, e: Endpoint, ex: Exchange, conn: Upstream) -> None:
+        """Wait while the rest of e's answer streams to the client."""
+        try:
+            await ex.done
+        except UpstreamError as exc:  # the client has bytes already: end its answer
+            self.metrics.count(e.name, "stream_error")
+            logger.warning("stream from %s broke: %s", e.name, exc)
+            if ex.chunks is not None and ex.chunks.at_boundary and not door.closed:
+                door.transport.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(_BROKE), _BROKE))
+            else:
+                door.must_close = True
+            return
+        except asyncio.CancelledError:
+            conn.abort()
+            raise
+        self.metrics.count(e.name, "ok" if ex.status < 400 else f"http_{ex.status}")
 
     def _record_decision(self, req: SchedulingRequest, e: Endpoint) -> None:
-        self.approximate_index.record(e.name, req.block_keys)
+        if req.block_keys:
+            self.approximate_index.record(e.name, req.block_keys)
         hit = max((req.precise or {}).get(e.name, 0.0), (req.approximate or {}).get(e.name, 0))
-        self.metrics.predicted_cached.inc(hit * req.block_size)
+        if hit:
+            self.metrics.predicted_cached.inc(hit * req.block_size)
         self.metrics.prompt_tokens.inc(len(req.token_ids))
 
-    async def handle_models(self, request: web.Request) -> web.Response:
-        assert self.session is not None
-        for e in self.pool.candidates():
-            try:
-                async with self.session.get(
-                    e.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)
-                ) as up:
-                    return web.Response(
-                        body=await up.read(), status=up.status, content_type="application/json"
-                    )
-            except (TimeoutError, aiohttp.ClientError, OSError):
-                continue
-        return _error("No healthy endpoint.", 503, {"Retry-After": "1"})
-
-    async def handle_health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200 if self.pool.candidates() else 503)
-
-    async def handle_metrics(self, request: web.Request) -> web.Response:
+    def render_metrics(self) -> bytes:
         m = self.metrics
         m.index_entries.labels("precise").set(self.precise_index.num_entries())
         m.index_entries.labels("approximate").set(self.approximate_index.num_entries())
@@ -284,58 +357,29 @@ class Router:
         for e in self.pool.endpoints.values():
             m.healthy.labels(e.name).set(1 if e.healthy else 0)
             m.in_flight.labels(e.name).set(e.in_flight)
-        return web.Response(
-            body=m.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
-        )
+        return m.render()
 
 
-def _error(message: str, status: int, headers: dict | None = None) -> web.Response:
-    return web.Response(
-        body=msgspec.json.encode(error_body(message, status)),
-        status=status,
-        content_type="application/json",
-        headers=headers,
+@dataclass(slots=True)
+class RouterServer:
+    router: Router
+    server: asyncio.AbstractServer
+    doors: set[FrontDoor]
+
+    async def cleanup(self) -> None:
+        self.server.close()
+        for door in list(self.doors):
+            if door.transport is not None:
+                door.transport.close()
+        await self.router.stop()
+
+
+async def start_router(router: Router, host: str, port: int) -> RouterServer:
+    await router.start()
+    doors: set[FrontDoor] = set()
+    loop = asyncio.get_running_loop()
+    max_body = router.config.max_body_bytes
+    server = await loop.create_server(
+        lambda: FrontDoor(router.handle, max_body, doors), host, port, backlog=1024
     )
-
-
-def build_router_app(router: Router) -> web.Application:
-    app = web.Application(
-        client_max_size=router.config.max_body_bytes, middlewares=[_errors_as_json]
-    )
-    app.router.add_post("/v1/completions", router.handle_inference)
-    app.router.add_post("/v1/chat/completions", router.handle_inference)
-    app.router.add_get("/v1/models", router.handle_models)
-    app.router.add_get("/health", router.handle_health)
-    app.router.add_get("/metrics", router.handle_metrics)
-
-    async def on_startup(app: web.Application) -> None:
-        await router.start()
-
-    async def on_cleanup(app: web.Application) -> None:
-        await router.stop()
-
-    app.on_startup.append(on_startup)
-    app.on_cleanup.append(on_cleanup)
-    return app
-
-
-@web.middleware
-async def _errors_as_json(request: web.Request, handler):
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return _error(exc.reason, exc.status)
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
-    except Exception:
-        logger.exception("router error in %s %s", request.method, request.path)
-        return _error("Internal router error.", 500)
-
-
-async def start_router(router: Router, host: str, port: int) -> web.AppRunner:
-    runner = web.AppRunner(build_router_app(router), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    return runner
+    return RouterServer(router, server, doors)

@@ -27,6 +27,7 @@ class Endpoint:
     labels: dict[str, str] = field(default_factory=dict)
     models: tuple[str, ...] = ()
     kv_events: str | None = None  # ZMQ endpoint to subscribe to; "auto": ask /kv_event_sources
+    dp_rank: int | None = None  # a data-parallel rank of a server: sent as X-data-parallel-rank
     healthy: bool = True
     waiting: float = 0.0
     running: float = 0.0

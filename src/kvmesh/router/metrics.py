@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _SCHED_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
@@ -10,6 +12,7 @@ _SCHED_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.
 class RouterMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self._children: dict[tuple[str, str], Any] = {}
         self.requests = Counter(
             "kvmesh_router_requests",
             "Requests by endpoint and outcome.",
@@ -55,6 +58,13 @@ class RouterMetrics:
             ["endpoint"],
             registry=r,
         )
+
+    def count(self, endpoint: str, outcome: str) -> None:
+        """requests{endpoint, outcome} += 1, through a cache of the labelled children."""
+        child = self._children.get((endpoint, outcome))
+        if child is None:
+            child = self._children[endpoint, outcome] = self.requests.labels(endpoint, outcome)
+        child.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

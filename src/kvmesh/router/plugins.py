@@ -340,3 +340,17 @@ register("max-score-picker")(lambda n, p, c: MaxScorePicker(n, _rng(p)))
 register("weighted-random-picker")(lambda n, p, c: WeightedRandomPicker(n, _rng(p)))
 register("random-picker")(lambda n, p, c: RandomPicker(n, _rng(p)))
 register("round-robin-picker")(lambda n, p, c: RoundRobinPicker(n))
+
+
+# plugins that read neither token ids nor block keys: a profile made of these alone (and a
+# single-profile handler) lets the router skip tokenizing
+TOKEN_FREE = (RoleFilter, LabelSelectorFilter, ModelFilter, QueueScorer, KVCacheUtilizationScorer,
+              ActiveRequestScorer, LoadAwareScorer, SessionAffinityScorer, MaxScorePicker,
+              WeightedRandomPicker, RandomPicker, RoundRobinPicker)  # fmt: skip
+
+
+def needs_tokens(pipeline: Any) -> bool:
+    """Whether scheduling with this pipeline reads the request's token ids or block keys."""
+    if type(pipeline.handler).__name__ != "SingleProfileHandler":
+        return True
+    return not all(isinstance(p, TOKEN_FREE) for p in pipeline.plugins.values())
