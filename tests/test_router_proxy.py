@@ -26,6 +26,7 @@ class Engine:
 
     def __init__(self, mode: str = "ok", close_idle: bool = False) -> None:
         self.mode, self.close_idle = mode, close_idle
+        self.page = b""  # the /metrics page
         self.requests: list[tuple[bytes, dict[str, str], bytes]] = []
         self.lost = asyncio.Event()
         self.server: asyncio.Server | None = None
@@ -50,7 +51,9 @@ class Engine:
                 body = await reader.readexactly(int(headers.get("content-length", "0")))
                 target = lines[0].split(" ")[1].encode()
                 if target == b"/metrics":
-                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+                    page = self.page
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(page))
+                    writer.write(page)
                     continue
                 self.requests.append((target, headers, body))
                 if not await self._answer(reader, writer, body):

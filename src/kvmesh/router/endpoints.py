@@ -15,6 +15,7 @@ import aiohttp
 import yaml
 
 from kvmesh.protocol.prom import parse_engine_load
+from kvmesh.protocol.zmq_events import offset_endpoint
 
 logger = logging.getLogger(__name__)
 LOST_AFTER = 3
@@ -59,8 +60,33 @@ class Endpoint:
         self.healthy = True
 
 
+def data_parallel_ranks(base: Endpoint, size: int) -> list[Endpoint]:
+    """One scheduling endpoint per data-parallel rank of a server (vLLM's internal load
+    balancer): named ``<name>#dp<rank>``, pinned by the X-data-parallel-rank header, with the
+    server's KV-event endpoint offset by the rank as vLLM offsets it."""
+    if size <= 1:
+        return [base]
+    out = []
+    for rank in range(size):
+        events = base.kv_events
+        if events and events != "auto":
+            events = offset_endpoint(events, rank)
+        out.append(
+            Endpoint(
+                base.url,
+                f"{base.name}#dp{rank}",
+                dict(base.labels),
+                base.models,
+                events,
+                dp_rank=rank,
+            )
+        )
+    return out
+
+
 def load_endpoints_file(path: str | Path) -> list[Endpoint]:
-    """YAML or JSON: a list of URLs, or of {url, name, labels, models, kv_events}."""
+    """YAML or JSON: a list of URLs, or of {url, name, labels, models, kv_events,
+    data_parallel_size}."""
     data = yaml.safe_load(Path(path).read_text()) or []
     if isinstance(data, dict):
         data = data.get("endpoints", [])
@@ -69,18 +95,30 @@ def load_endpoints_file(path: str | Path) -> list[Endpoint]:
         if isinstance(item, str):
             out.append(Endpoint(item))
         elif isinstance(item, dict) and "url" in item:
-            out.append(
-                Endpoint(
-                    item["url"],
-                    item.get("name", ""),
-                    {str(k): str(v) for k, v in (item.get("labels") or {}).items()},
-                    tuple(item.get("models") or ()),
-                    item.get("kv_events"),
-                )
+            base = Endpoint(
+                item["url"],
+                item.get("name", ""),
+                {str(k): str(v) for k, v in (item.get("labels") or {}).items()},
+                tuple(item.get("models") or ()),
+                item.get("kv_events"),
             )
+            size = item.get("data_parallel_size", 1)
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"{path}: data_parallel_size must be a positive integer")
+            out += data_parallel_ranks(base, size)
         else:
             raise ValueError(f"{path}: each endpoint is a URL or a mapping with 'url'")
     return out
+
+
+def rank_page(text: str, rank: int | None) -> str:
+    """The lines of a /metrics page about one data-parallel rank (vLLM labels each engine
+    core's series engine="<rank>"); the whole page when it has none for that rank."""
+    if rank is None:
+        return text
+    label = f'engine="{rank}"'
+    lines = [line for line in text.splitlines() if label in line]
+    return "\n".join(lines) if lines else text
 
 
 class EndpointPool:
@@ -150,31 +188,36 @@ class EndpointPool:
     async def _scrape_loop(self) -> None:
         while True:
             now = time.monotonic()
-            due = [e for e in self.endpoints.values() if e.healthy or e.retry_at <= now]
+            due: dict[str, list[Endpoint]] = {}  # one read per server serves all its ranks
+            for e in self.endpoints.values():
+                if e.healthy or e.retry_at <= now:
+                    due.setdefault(e.url, []).append(e)
             if due:
-                await asyncio.gather(*(self.scrape(e) for e in due))
+                await asyncio.gather(*(self.scrape(*group) for group in due.values()))
             await asyncio.sleep(self.scrape_interval)
 
-    async def scrape(self, e: Endpoint) -> None:
-        """One /metrics read doubles as the health check."""
+    async def scrape(self, *endpoints: Endpoint) -> None:
+        """One /metrics read of a server doubles as the health check of each of its ranks."""
         assert self._session is not None
         try:
             async with self._session.get(
-                e.url + "/metrics", timeout=aiohttp.ClientTimeout(total=2.0)
+                endpoints[0].url + "/metrics", timeout=aiohttp.ClientTimeout(total=2.0)
             ) as resp:
                 if resp.status != 200:
                     raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
-                load = parse_engine_load(await resp.text())
+                text = await resp.text()
         except (TimeoutError, aiohttp.ClientError, OSError):
-            was = e.healthy
-            e.mark_failure(time.monotonic())
-            if was:
-                logger.warning("endpoint %s unhealthy", e.name)
-            if e.failures == LOST_AFTER:  # gone: whatever it cached is no longer to be counted on
-                self.on_lost(e.name)
+            for e in endpoints:
+                was = e.healthy
+                e.mark_failure(time.monotonic())
+                if was:
+                    logger.warning("endpoint %s unhealthy", e.name)
+                if e.failures == LOST_AFTER:  # gone: what it cached is no longer to be counted on
+                    self.on_lost(e.name)
             return
-        if not e.healthy:
-            logger.info("endpoint %s healthy again", e.name)
-        e.mark_success()
-        e.waiting, e.running, e.kv_usage = load
-        e.last_scrape = time.monotonic()
+        for e in endpoints:
+            if not e.healthy:
+                logger.info("endpoint %s healthy again", e.name)
+            e.mark_success()
+            e.waiting, e.running, e.kv_usage = parse_engine_load(rank_page(text, e.dp_rank))
+            e.last_scrape = time.monotonic()

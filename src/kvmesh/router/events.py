@@ -14,11 +14,30 @@ import zmq
 import zmq.asyncio
 
 from kvmesh.protocol.kv_events import decode_batch
-from kvmesh.protocol.zmq_events import publisher_binds
+from kvmesh.protocol.zmq_events import offset_endpoint, publisher_binds
 from kvmesh.router.endpoints import Endpoint
 
 logger = logging.getLogger(__name__)
 END_SEQ = 2**64 - 1
+
+
+def _rank_source(sources: dict, rank: int | None) -> dict | None:
+    """The KV-event source of one data-parallel rank: its own entry when the server lists it,
+    else the first listed one with its endpoints offset by the rank difference (as vLLM's
+    publishers are)."""
+    if rank is not None and str(rank) in sources:
+        return sources[str(rank)]
+    key, cfg = next(iter(sources.items()))
+    if rank is None or not cfg:
+        return cfg
+    delta = rank - (int(key) if str(key).isdigit() else 0)
+    if delta <= 0:
+        return cfg
+    cfg = dict(cfg)
+    for name in ("endpoint", "replay_endpoint"):
+        if cfg.get(name):
+            cfg[name] = offset_endpoint(cfg[name], delta)
+    return cfg
 
 
 class EventIngest:
@@ -60,7 +79,7 @@ class EventIngest:
                     e.url + "/kv_event_sources", timeout=aiohttp.ClientTimeout(total=2)
                 ) as resp:
                     sources = await resp.json()
-                cfg = next(iter(sources.values()))
+                cfg = _rank_source(sources, e.dp_rank)
                 if cfg and cfg.get("endpoint"):
                     break
             except (TimeoutError, aiohttp.ClientError, ValueError, StopIteration, AttributeError):

@@ -28,13 +28,16 @@ async def prefill_remotely(
     prefill.update(stream=False, max_tokens=1, kv_transfer_params=PREFILL_REQUEST_PARAMS)
     if "max_completion_tokens" in original:
         prefill["max_completion_tokens"] = 1
+    headers = {"Content-Type": "application/json", "X-Request-Id": req.request_id}
+    if p.dp_rank is not None:
+        headers["X-data-parallel-rank"] = str(p.dp_rank)
     for _ in range(router.config.prefill_max_retries + 1):
         p.in_flight += 1
         try:
             async with router.session.post(
                 p.url + path,
                 data=json.dumps(prefill).encode(),
-                headers={"Content-Type": "application/json", "X-Request-Id": req.request_id},
+                headers=headers,
                 timeout=aiohttp.ClientTimeout(total=router.config.first_byte_timeout),
             ) as up:
                 answer = await up.json() if up.status == 200 else None
@@ -45,8 +48,8 @@ async def prefill_remotely(
             p.in_flight -= 1
         params = (answer or {}).get("kv_transfer_params")
         if params:
-            router.metrics.requests.labels(p.name, "prefill_ok").inc()
+            router.metrics.count(p.name, "prefill_ok")
             router.approximate_index.record(p.name, req.block_keys)
             return json.dumps(dict(original, kv_transfer_params=params)).encode()
-        router.metrics.requests.labels(p.name, "prefill_failed").inc()
+        router.metrics.count(p.name, "prefill_failed")
     return body

@@ -1,0 +1,112 @@
+"""Data-parallel ranks of one server as separate scheduling endpoints: pinned by the
+X-data-parallel-rank header, loaded from their own metrics series, and indexed from their own
+KV-event publisher (port or path offset by the rank, as vLLM offsets it)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import yaml
+
+from kvmesh.protocol.kv_events import BlockStored
+from kvmesh.protocol.zmq_events import KVEventsConfig, ZmqEventPublisher
+from kvmesh.router.app import Router, RouterConfig, start_router
+from kvmesh.router.endpoints import Endpoint, data_parallel_ranks, load_endpoints_file
+from kvmesh.router.events import _rank_source
+from tests.test_router_proxy import Engine, exchange, post
+
+PAGE = (
+    b'vllm:num_requests_waiting{engine="0",model_name="m"} 1\n'
+    b'vllm:num_requests_waiting{engine="1",model_name="m"} 7\n'
+    b'vllm:num_requests_running{engine="0",model_name="m"} 2\n'
+    b'vllm:num_requests_running{engine="1",model_name="m"} 3\n'
+)
+
+
+def test_ranks_from_the_endpoints_file_offset_their_event_ports(tmp_path) -> None:
+    path = tmp_path / "endpoints.yaml"
+    entry = {"url": "http://h:8000", "data_parallel_size": 3, "kv_events": "tcp://h:5557"}
+    path.write_text(yaml.safe_dump([entry, "http://other:8000"]))
+    ranks = load_endpoints_file(path)
+    assert [e.name for e in ranks] == [
+        "http://h:8000#dp0",
+        "http://h:8000#dp1",
+        "http://h:8000#dp2",
+        "http://other:8000",
+    ]
+    assert [e.dp_rank for e in ranks] == [0, 1, 2, None]
+    assert [e.kv_events for e in ranks[:3]] == ["tcp://h:5557", "tcp://h:5558", "tcp://h:5559"]
+    assert {e.url for e in ranks[:3]} == {"http://h:8000"}
+    assert data_parallel_ranks(Endpoint("http://h:1"), 1)[0].dp_rank is None
+    path.write_text(yaml.safe_dump([{**entry, "data_parallel_size": 0}]))
+    try:
+        load_endpoints_file(path)
+    except ValueError as exc:
+        assert "data_parallel_size" in str(exc)
+    else:
+        raise AssertionError("a zero data_parallel_size was accepted")
+
+
+def test_discovered_event_source_of_a_rank() -> None:
+    one = {"0": {"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5600", "topic": "kv"}}
+    assert _rank_source(one, 2) == {
+        "endpoint": "tcp://*:5559",
+        "replay_endpoint": "tcp://*:5602",
+        "topic": "kv",
+    }
+    assert _rank_source(one, None) == one["0"] == _rank_source(one, 0)
+    both = {**one, "1": {"endpoint": "ipc:///x_dp1"}}
+    assert _rank_source(both, 1) == {"endpoint": "ipc:///x_dp1"}
+
+
+async def _until(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.02)
+
+
+async def test_ranks_are_scheduled_pinned_and_indexed_apart(tokenizer, tmp_path) -> None:
+    engine = await Engine("ok").start()
+    engine.page = PAGE
+    events = f"ipc://{tmp_path}/kv"
+    path = tmp_path / "endpoints.yaml"
+    path.write_text(
+        yaml.safe_dump([{"url": engine.url, "data_parallel_size": 2, "kv_events": events}])
+    )
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint=events)
+    pubs = [ZmqEventPublisher(config, rank) for rank in (0, 1)]
+    cfg = RouterConfig(endpoints_file=str(path), preset="round-robin", scrape_interval=0.05)
+    router = Router(cfg, tokenizer)
+    server = await start_router(router, "127.0.0.1", 0)
+    port = server.server.sockets[0].getsockname()[1]
+    names = [f"{engine.url}#dp0", f"{engine.url}#dp1"]
+    try:
+        eps = router.pool.endpoints
+        await _until(lambda: sorted(eps) == names and all(e.last_scrape for e in eps.values()))
+        assert [(eps[n].waiting, eps[n].running) for n in names] == [(1.0, 2.0), (7.0, 3.0)]
+
+        answered = []
+        for i in range(4):
+            raw = await exchange(port, post("/v1/completions", {"prompt": f"p{i}"}))
+            head = raw.split(b"\r\n\r\n", 1)[0].decode().lower()
+            answered.append(head.split("x-kvmesh-endpoint: ", 1)[1].split("\r\n", 1)[0])
+        seen = [h["x-data-parallel-rank"] for _, h, _ in engine.requests]
+        assert sorted(seen) == ["0", "0", "1", "1"]
+        assert [a.rsplit("#dp", 1)[1] for a in answered] == seen
+
+        await _until(lambda: len(router.events.tasks) == 2)
+        stored = BlockStored([111, 222, 333], None, [], 16, None, "GPU", None)
+
+        def indexed() -> dict:
+            pubs[1].publish([stored])  # again until the subscription is live
+            return router.precise_index.longest_match([111, 222, 333], names)
+
+        await _until(lambda: indexed().get(names[1]) == 3)
+        assert not indexed().get(names[0])
+    finally:
+        await server.cleanup()
+        for pub in pubs:
+            pub.close()
+        engine.server.close()
