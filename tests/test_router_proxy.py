@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
+import time
 
 import pytest
 
@@ -91,10 +93,10 @@ class Engine:
 
 
 @contextlib.asynccontextmanager
-async def routed(tokenizer, engines: list[Engine], **config):
+async def routed(tokenizer, engines: list[Engine], preset: str = "round-robin", **config):
     for e in engines:
         await e.start()
-    cfg = RouterConfig([e.url for e in engines], preset="round-robin", kv_events=None, **config)
+    cfg = RouterConfig([e.url for e in engines], preset=preset, kv_events=None, **config)
     router = Router(cfg, tokenizer)
     server = await start_router(router, "127.0.0.1", 0)
     port = server.server.sockets[0].getsockname()[1]
@@ -253,3 +255,38 @@ async def test_expect_continue_and_chunked_request_body(tokenizer) -> None:
         out = await asyncio.wait_for(reader.read(), 10)
         writer.close()
     assert out.startswith(b"HTTP/1.1 200") and engine.requests[0][2] == b'{"prompt": "ch"}'
+
+
+async def test_large_prompt_is_tokenized_off_the_event_loop(tokenizer) -> None:
+    async with routed(tokenizer, [Engine("ok")], preset="approx-prefix") as (router, port):
+        real, inside, overlaps = router.tokens.encode_completion, [], []
+        threads: dict[bool, str] = {}
+        finished = threading.Event()
+        lock = threading.Lock()
+
+        def encode(prompt: str, special: bool = True) -> list[int]:
+            with lock:
+                inside.append(prompt)
+                overlaps.append(len(inside))
+                name = threading.current_thread().name
+                threads[len(prompt) > 60_000] = name.split("_")[0]
+            if len(prompt) > 60_000:
+                time.sleep(0.5)  # a cold 16k-token prompt, in slow motion
+                finished.set()
+            with lock:
+                inside.pop()
+            return real(prompt, special)
+
+        router.tokens.encode_completion = encode
+        big = asyncio.create_task(
+            exchange(port, post("/v1/completions", {"prompt": "w " * 40_000}))
+        )
+        while not inside:
+            await asyncio.sleep(0.005)
+        health = await exchange(port, b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")
+        assert health.startswith(b"HTTP/1.1 200") and not finished.is_set()  # loop kept serving
+        small = await exchange(port, post("/v1/completions", {"prompt": "small one"}))
+        assert finished.is_set()  # the small request waited for the tokenizer to be free
+        assert small.startswith(b"HTTP/1.1 200") and (await big).startswith(b"HTTP/1.1 200")
+        assert max(overlaps) == 1
+        assert threads == {True: "kvmesh-tokenize", False: threading.main_thread().name}

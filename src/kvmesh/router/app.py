@@ -5,27 +5,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlparse
 
 import aiohttp
 import msgspec
 
 from kvmesh.router.endpoints import Endpoint, EndpointPool
 from kvmesh.router.events import EventIngest
-from kvmesh.router.frontdoor import FrontDoor, Request
+from kvmesh.router.frontdoor import FrontDoor, Request, RouterServer, serve
 from kvmesh.router.index import ApproximateIndex, PreciseIndex
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.pd import prefill_remotely
 from kvmesh.router.pipeline import Pipeline, SchedulingResult
 from kvmesh.router.plugins import SchedulingRequest, needs_tokens
-from kvmesh.router.proxy import Exchange, Upstream, UpstreamError, UpstreamPool
+from kvmesh.router.proxy import Exchange, Link, Upstream, UpstreamError
 
 logger = logging.getLogger(__name__)
 decisions = logging.getLogger("kvmesh.router.decisions")
+OFF_LOOP_BYTES = 64 * 1024  # bodies this large are tokenized on a thread, off the event loop
 INFERENCE_PATHS = frozenset(("/v1/completions", "/v1/chat/completions"))
 _BROKE = b'data: {"error": {"message": "upstream stream broke", "type": "InternalServerError", "code": 502}}\n\n'  # noqa: E501
 
@@ -47,26 +48,6 @@ class RouterConfig:
     approx_capacity_per_endpoint: int = 31_250
     first_byte_timeout: float = 600.0
     prefill_max_retries: int = 0  # P/D: prefill attempts beyond the first before falling back
-
-
-@dataclass(slots=True)
-class Link:
-    """How the router talks to one endpoint: its keep-alive pool and the header lines it adds."""
-
-    url: str
-    pool: UpstreamPool
-    tag: bytes  # response header naming the endpoint
-    headers: str  # request header lines for this endpoint (Host, data-parallel rank)
-
-    @classmethod
-    def of(cls, e: Endpoint) -> Link:
-        u = urlparse(e.url)
-        port = u.port or (443 if u.scheme == "https" else 80)
-        pool = UpstreamPool(u.hostname or "127.0.0.1", port, ssl=u.scheme == "https")
-        headers = f"Host: {u.netloc}\r\n"
-        if e.dp_rank is not None:
-            headers += f"X-data-parallel-rank: {e.dp_rank}\r\n"
-        return cls(e.url, pool, f"x-kvmesh-endpoint: {e.name}".encode("latin-1"), headers)
 
 
 class ChatFields(msgspec.Struct):
@@ -106,6 +87,9 @@ class Router:
         self.session: aiohttp.ClientSession | None = None
         self.events: EventIngest | None = None
         self.links: dict[str, Link] = {}
+        self._tokenizer_free = asyncio.Event()  # clear while a thread holds self.tokens
+        self._tokenizer_free.set()
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-tokenize")
 
     def link(self, e: Endpoint) -> Link:
         link = self.links.get(e.name)
@@ -152,8 +136,33 @@ class Router:
             await self.session.close()
         for link in self.links.values():
             link.pool.close()
+        self._thread.shutdown(wait=False)
 
     # ---- scheduling -----------------------------------------------------------------------
+    async def parse(self, request: Request) -> SchedulingRequest:
+        """scheduling_request, with a large prompt tokenized on a thread (the Rust tokenizer lets
+        the event loop run meanwhile). One thread at a time holds the tokenizer and its caches:
+        requests that need it wait, requests in flight keep streaming."""
+        if not self.tokenize:
+            return self.scheduling_request(request.body, request.path, request.headers)
+        while not self._tokenizer_free.is_set():
+            await self._tokenizer_free.wait()
+        if len(request.body) < OFF_LOOP_BYTES:
+            return self.scheduling_request(request.body, request.path, request.headers)
+        loop = asyncio.get_running_loop()
+        work = loop.run_in_executor(
+            self._thread, self.scheduling_request, request.body, request.path, request.headers
+        )
+        self._tokenizer_free.clear()
+
+        def released(f: asyncio.Future) -> None:
+            self._tokenizer_free.set()
+            if not f.cancelled():
+                f.exception()  # retrieved here when the client left meanwhile
+
+        work.add_done_callback(released)
+        return await asyncio.shield(work)
+
     def scheduling_request(self, body: bytes, path: str, headers) -> SchedulingRequest:
         fields = _decoder.decode(body)
         ids: list[int] = []
@@ -178,7 +187,7 @@ class Router:
                 ids = list(p)
             else:
                 raise ValueError("prompt must be a string or a list of token ids")
-        rid = headers.get("x-request-id") or uuid.uuid4().hex
+        rid = headers.get("x-request-id") or os.urandom(16).hex()
         keys = self.tokens.block_keys(ids, cache_salt=fields.cache_salt) if self.tokenize else []
         hdrs = {k.lower(): v for k, v in headers.items()}
         return SchedulingRequest(rid, fields.model, ids, keys, hdrs, self.config.block_size)
@@ -227,7 +236,7 @@ class Router:
     async def handle_inference(self, door: FrontDoor, request: Request) -> None:
         t0 = time.perf_counter()
         try:
-            req = self.scheduling_request(request.body, request.path, request.headers)
+            req = await self.parse(request)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             return door.respond_error(400, f"Invalid request: {exc}")
         except Exception as exc:  # a chat template that rejects the messages, etc.
@@ -360,26 +369,6 @@ class Router:
         return m.render()
 
 
-@dataclass(slots=True)
-class RouterServer:
-    router: Router
-    server: asyncio.AbstractServer
-    doors: set[FrontDoor]
-
-    async def cleanup(self) -> None:
-        self.server.close()
-        for door in list(self.doors):
-            if door.transport is not None:
-                door.transport.close()
-        await self.router.stop()
-
-
 async def start_router(router: Router, host: str, port: int) -> RouterServer:
     await router.start()
-    doors: set[FrontDoor] = set()
-    loop = asyncio.get_running_loop()
-    max_body = router.config.max_body_bytes
-    server = await loop.create_server(
-        lambda: FrontDoor(router.handle, max_body, doors), host, port, backlog=1024
-    )
-    return RouterServer(router, server, doors)
+    return await serve(router, host, port, router.config.max_body_bytes)

@@ -8,7 +8,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -201,3 +201,27 @@ def _dechunk(buf: bytearray, pos: int, limit: int) -> tuple[bytes, int] | int | 
             return None
         out += buf[eol + 2 : eol + 2 + size]
         pos = eol + 4 + size
+
+
+@dataclass(slots=True)
+class RouterServer:
+    router: Any  # kvmesh.router.app.Router
+    server: asyncio.AbstractServer
+    doors: set[FrontDoor]
+
+    async def cleanup(self) -> None:
+        self.server.close()
+        for door in list(self.doors):
+            if door.transport is not None:
+                door.transport.close()
+        await self.router.stop()
+
+
+async def serve(router: Any, host: str, port: int, max_body: int) -> RouterServer:
+    """Listen on host:port; each connection's requests go to router.handle."""
+    doors: set[FrontDoor] = set()
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(
+        lambda: FrontDoor(router.handle, max_body, doors), host, port, backlog=1024
+    )
+    return RouterServer(router, server, doors)

@@ -10,9 +10,12 @@ import asyncio
 import logging
 import socket
 import ssl as _ssl
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+from urllib.parse import urlparse
 
 if TYPE_CHECKING:
+    from kvmesh.router.endpoints import Endpoint
     from kvmesh.router.frontdoor import FrontDoor
 
 logger = logging.getLogger(__name__)
@@ -300,3 +303,23 @@ class UpstreamPool:
         for conn in self.idle:
             conn.transport.close()
         self.idle.clear()
+
+
+@dataclass(slots=True)
+class Link:
+    """How the router talks to one endpoint: its keep-alive pool and the header lines it adds."""
+
+    url: str
+    pool: UpstreamPool
+    tag: bytes  # response header naming the endpoint
+    headers: str  # request header lines for this endpoint (Host, data-parallel rank)
+
+    @classmethod
+    def of(cls, e: Endpoint) -> Link:
+        u = urlparse(e.url)
+        port = u.port or (443 if u.scheme == "https" else 80)
+        pool = UpstreamPool(u.hostname or "127.0.0.1", port, ssl=u.scheme == "https")
+        headers = f"Host: {u.netloc}\r\n"
+        if e.dp_rank is not None:
+            headers += f"X-data-parallel-rank: {e.dp_rank}\r\n"
+        return cls(e.url, pool, f"x-kvmesh-endpoint: {e.name}".encode("latin-1"), headers)
