@@ -45,6 +45,15 @@ ENGINE_HELP = {
     "kv_transfer_config": "KV transfer as vLLM's JSON, e.g. '{\"kv_connector\": "
     '"NixlConnector", "kv_role": "kv_both"}\': prefill engines hold blocks for '
     "decode engines, which pull them (kv_transfer_params, as vLLM's NixlConnector).",
+    "kv_offloading_size": "GiB of host DRAM for a CPU tier below the device KV cache (as vLLM's "
+    "flag; or cpu_bytes_to_use of an OffloadingConnector --kv-transfer-config). Computed "
+    "blocks are written through to it; prefixes found there are loaded, not recomputed.",
+    "kv_offloading_disk_path": "Directory (or file) for a disk tier below the CPU tier: blocks "
+    "the CPU tier evicts spill there.",
+    "kv_offloading_disk_size": "GiB of the disk tier (with --kv-offloading-disk-path).",
+    "kv_peer_allowlist": "Comma-separated host:port engines this one may pull cached blocks "
+    "from when a request names one (x-kv-cache-source-host-port header or kv_transfer_params "
+    "kvmesh_peer); empty: peer pulls are refused.",
     "data_parallel_rank": "This engine's data-parallel rank (metrics label, event port offset).",
     "num_threads": "Torch CPU threads (default: all cores available).",
 }
@@ -58,6 +67,9 @@ EMULATION_HELP = {
     "step_overhead_ms": "Fixed time added to every emulated step (scheduling, launch).",
     "emulate_ttft_ms": "Constant mode: a prefill step lasts this long (with --emulate-itl-ms).",
     "emulate_itl_ms": "Constant mode: every other step lasts this long.",
+    "emulate_time_scale": "Wall seconds per emulated second: at 4 every step lasts 4x its "
+    "predicted time, so a host too small for the fleet's token rate still keeps its timing "
+    "faithful, in slow motion; divide measured times by it (GET /admin/timing reports it).",
     "fault_error_rate": "Fault: fraction of API requests answered 500.",
     "fault_hang_rate": "Fault: fraction of API requests that never answer.",
     "fault_crash_after": "Fault: the engine goes away after this many API requests (0: never).",

@@ -94,6 +94,8 @@ class BlockPool:
         self.medium = medium
         self.events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
         self.num_evictions = 0
+        # called for each newly cached block: (block, hash, its tokens, parent hash or None)
+        self.on_cached: Callable[[KVCacheBlock, bytes, list[int], bytes | None], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -165,6 +167,10 @@ class BlockPool:
             block.block_hash = block_hash
             self.cached[block_hash] = block
             fresh.append(i)
+            if self.on_cached is not None:
+                bs = self.block_size
+                parent = block_hashes[i - 1] if i else None
+                self.on_cached(block, block_hash, token_ids[i * bs : (i + 1) * bs], parent)
         if self.enable_events and fresh:
             self._emit_stored(fresh, block_hashes, token_ids, extra_keys, lora_name)
 

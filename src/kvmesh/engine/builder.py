@@ -17,6 +17,7 @@ from kvmesh.engine.metrics import EngineMetrics
 from kvmesh.engine.runner import ModelRunner
 from kvmesh.engine.scheduler import Scheduler, SchedulerConfig
 from kvmesh.engine.serving import OpenAIServing
+from kvmesh.engine.tiers import MEDIUM_CPU, MEDIUM_DISK
 from kvmesh.protocol.zmq_events import KVEventsConfig, make_event_publisher
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,11 @@ def assemble(
     if config.kv_transfer_config:
         core.transfer_config = KVTransferConfig.from_json(config.kv_transfer_config)
         core.held.timeout = core.transfer_config.hold_timeout_s
+    tiers = tier_slots(config, core.transfer_config, runner.kv_bytes_per_block)
+    if tiers and config.enable_prefix_caching:
+        runner.init_tiers(dict(tiers), config.kv_offloading_disk_path)
+        kv.enable_offloading(tiers, runner, runner.kv_bytes_per_block)
+        logger.info("KV offload tiers: %s", ", ".join(f"{m} {n} blocks" for m, n in tiers))
     engine = AsyncEngine(core, config.max_waiting_requests)
     serving = OpenAIServing(
         engine, tokenizer, name, runner.max_model_len, eos_token_ids, config.max_logprobs
@@ -102,6 +108,31 @@ def assemble(
         events_dict,
         publisher,
     )
+
+
+def tier_slots(
+    config: EngineConfig, transfer: KVTransferConfig, bytes_per_block: int
+) -> list[tuple[str, int]]:
+    """[(medium, slots)] of the offload tiers, top first: host DRAM from --kv-offloading-size or
+    an OffloadingConnector's cpu_bytes_to_use (num_cpu_blocks in older configs), then disk."""
+    if bytes_per_block <= 0:
+        return []
+    offloading = transfer.kv_connector == "OffloadingConnector"
+    extra = transfer.kv_connector_extra_config if offloading else {}
+    tiers = []
+    if config.kv_offloading_size is not None:
+        cpu_slots = int(config.kv_offloading_size * 2**30) // bytes_per_block
+    elif "cpu_bytes_to_use" in extra:
+        cpu_slots = int(extra["cpu_bytes_to_use"]) // bytes_per_block
+    else:
+        cpu_slots = int(extra.get("num_cpu_blocks", 0))
+    if cpu_slots > 0:
+        tiers.append((MEDIUM_CPU, cpu_slots))
+    if config.kv_offloading_disk_path:
+        disk_slots = int(config.kv_offloading_disk_size * 2**30) // bytes_per_block
+        if disk_slots > 0:
+            tiers.append((MEDIUM_DISK, disk_slots))
+    return tiers
 
 
 def build_engine(config: EngineConfig) -> EngineBundle:

@@ -31,6 +31,10 @@ class EngineConfig:
     seed: int = 0
     kv_events_config: str | None = None  # JSON as vLLM's --kv-events-config
     kv_transfer_config: str | None = None  # JSON as vLLM's --kv-transfer-config (P/D)
+    kv_offloading_size: float | None = None  # GiB of host DRAM for the CPU tier (vLLM's flag)
+    kv_offloading_disk_path: str | None = None  # a directory or file for the disk tier
+    kv_offloading_disk_size: float = 8.0  # GiB of the disk tier (with a disk path)
+    kv_peer_allowlist: str | None = None  # comma-separated host:port peers that may be pulled
     data_parallel_rank: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU
     extra: dict = field(default_factory=dict)
@@ -54,6 +58,10 @@ class EngineConfig:
             raise ValueError("--dtype must be auto, float32, bfloat16 or float16")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("--max-model-len must be at least 2")
+        if self.kv_offloading_size is not None and self.kv_offloading_size <= 0:
+            raise ValueError("--kv-offloading-size must be positive (GiB)")
+        if self.kv_offloading_disk_path is not None and self.kv_offloading_disk_size <= 0:
+            raise ValueError("--kv-offloading-disk-size must be positive (GiB)")
         if (
             not self.enable_chunked_prefill
             and self.max_model_len is not None

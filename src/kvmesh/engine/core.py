@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+import zlib
 from dataclasses import dataclass
 
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
@@ -103,6 +104,7 @@ class EngineCore:
                 )
             for request in progressed:
                 outputs.append(self._process_token(request, now))
+            self.kv.flush_offload()  # before the next step writes any device block again
         if self.held.held:
             self.expire_held()
         self._record(out)
@@ -208,24 +210,57 @@ class EngineCore:
         """Write a peer's verified blocks into this cache as prefix-cache blocks; the number
         of tokens that will not need computing. Never raises for a bad payload: recompute."""
         try:
+            self.kv.flush_offload()
             header, data = decode_payload(payload)
-            indices = self.kv.adopt_blocks(request, header["block_hashes"])
+            first = int(header.get("first_block", 0))
+            indices = self.kv.adopt_blocks(request, header["block_hashes"], first)
             if not indices or len(indices) > self.kv.pool.num_free_blocks:
                 return 0
             blocks = self.kv.pool.get_new_blocks(len(indices))
             try:
-                self.runner.import_blocks([b.block_id for b in blocks], data, header, indices)
+                select = [i - first for i in indices]
+                self.runner.import_blocks([b.block_id for b in blocks], data, header, select)
             except (ValueError, RuntimeError) as exc:
                 logger.warning("KV import for %s failed (%s); recomputing", request.request_id, exc)
                 self.kv.pool.free_blocks(blocks)
                 return 0
             self.kv.cache_imported(request, indices, blocks)
+            self.kv.flush_offload()
             self.publish_events(self.kv.take_events())
             self.last_import_seconds = self.runner.transfer_time(header, len(indices))
             return len(indices) * self.kv.block_size
         except (ValueError, KeyError, TypeError) as exc:
             logger.warning("bad KV payload for %s (%s); recomputing", request.request_id, exc)
             return 0
+
+    # ---- peer sharing: any engine serves the cached blocks a peer asks for by hash -------
+    def local_prefix(self, request: Request) -> tuple[int, list[bytes]]:
+        """(blocks this engine holds, from any tier, now loaded to the device; the hashes of
+        every full block the request could reuse): what a pull from a peer should start at."""
+        computed = self.kv.get_computed_blocks(request)
+        self.kv.flush_offload()
+        self.publish_events(self.kv.take_events())
+        max_blocks = (request.num_tokens - 1) // self.kv.block_size
+        return len(computed.blocks), request.block_hashes[:max_blocks]
+
+    def export_prefix(self, block_hashes: list[bytes], first: int) -> bytes | None:
+        """The blocks block_hashes[first:first + k] for the longest k this engine holds (a
+        lower tier's are loaded to the device first), as a transfer payload; None if k == 0."""
+        wanted = block_hashes[first:]
+        hits = self.kv.find_cached(wanted)
+        if self.kv.offloader is not None and len(hits) < len(wanted):
+            hits += self.kv.load_from_tiers(hits, wanted)
+        if not hits:
+            return None
+        self.kv.pool.touch(hits)  # held while the KV is read
+        try:
+            data, meta = self.runner.export_blocks([b.block_id for b in hits])
+        finally:
+            self.kv.pool.free_blocks(reversed(hits))
+        self.kv.flush_offload()
+        self.publish_events(self.kv.take_events())
+        meta = {**meta, "first_block": first, "kv_crc32": zlib.crc32(data)}
+        return encode_payload(wanted[: len(hits)], len(hits) * self.kv.block_size, data, meta)
 
     def expire_held(self) -> None:
         for held in self.held.expired():
@@ -259,3 +294,7 @@ class EngineCore:
         if queries:
             m.prefix_queries.inc(queries)
             m.prefix_hits.inc(hits)
+        if self.kv.offloader is not None:
+            tiers = {t.medium: t for t in self.kv.offloader.tiers}
+            for medium, traffic in self.kv.offloader.take_traffic().items():
+                m.record_tier(medium, tiers[medium].usage, traffic)

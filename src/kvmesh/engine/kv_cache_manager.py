@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from kvmesh.engine.block_pool import BlockPool, KVCacheBlock
+from kvmesh.engine.offload import KVOffloader
 from kvmesh.engine.sequence import Request
+from kvmesh.engine.tiers import BlockToStore, OffloadTier
 from kvmesh.protocol.hashing import BlockHasher, block_hash_to_int, event_extra_keys
 
 
@@ -37,6 +39,32 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}  # blocks of the request registered in the map
         self.prefix_cache_queries = 0  # tokens looked up at first admission, not yet reported
         self.prefix_cache_hits = 0
+        self.offloader: KVOffloader | None = None
+
+    def enable_offloading(self, tiers: list[tuple[str, int]], copier, bytes_per_block: int):
+        """Add lower tiers [(medium, slots)], top first; `copier` (the runner) moves the KV."""
+
+        def emit(event) -> None:
+            if self.pool.enable_events:
+                self.pool.events.append(event)
+
+        self.offloader = KVOffloader(
+            [OffloadTier(m, n, self.block_size, block_hash_to_int, emit) for m, n in tiers],
+            copier,
+            bytes_per_block,
+        )
+        queue = self.offloader.queue_store
+        self.pool.on_cached = lambda block, h, tokens, parent: queue(
+            block.block_id, BlockToStore(h, tuple(tokens), parent)
+        )
+        return self.offloader
+
+    def flush_offload(self) -> None:
+        """Write newly cached device blocks through to the top tier; call before any device
+        block is written again (end of step, before imports and loads)."""
+        if self.offloader is not None:
+            blocks = self.pool.blocks
+            self.offloader.flush(lambda bid, h: blocks[bid].block_hash == h)
 
     @property
     def usage(self) -> float:
@@ -66,13 +94,64 @@ class KVCacheManager:
             return ComputedBlocks([], 0)
         self.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = self.find_cached(request.block_hashes[:max_blocks])
+        if self.offloader is not None and len(hits) < max_blocks:
+            extra = None
+            if request.cache_salt is not None:
+                salt = request.cache_salt
+                extra = [event_extra_keys(i, cache_salt=salt) for i in range(max_blocks)]
+            hits += self.load_from_tiers(
+                hits, request.block_hashes[:max_blocks], extra, request.lora_name
+            )
+        return ComputedBlocks(hits, len(hits) * self.block_size)
+
+    def find_cached(self, block_hashes: list[bytes]) -> list[KVCacheBlock]:
+        """The device blocks of the longest cached prefix of these hashes."""
         hits: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_blocks]:
+        for block_hash in block_hashes:
             block = self.pool.get_cached_block(block_hash)
             if block is None:
                 break
             hits.append(block)
-        return ComputedBlocks(hits, len(hits) * self.block_size)
+        if self.offloader is not None and hits:  # a device hit keeps its copies warm too
+            self.offloader.tiers[0].touch(b.block_hash for b in hits if b.block_hash)
+        return hits
+
+    def load_from_tiers(
+        self,
+        hits: list[KVCacheBlock],
+        block_hashes: list[bytes],
+        extra_keys: list | None = None,
+        lora_name: str | None = None,
+    ) -> list[KVCacheBlock]:
+        """Load the blocks after the device hits that lower tiers hold into fresh device blocks,
+        registered as cached (ref 0, like any cached block); as many as free blocks allow."""
+        assert self.offloader is not None
+        self.flush_offload()  # queued stores read device blocks that may be reused below
+        start = len(hits)
+        n = self.offloader.lookup(block_hashes[start:])
+        n = min(n, self.pool.num_free_blocks - sum(1 for b in hits if b.ref_cnt == 0))
+        if n <= 0:
+            return []
+        self.pool.touch(hits)  # the hits must survive the allocation below
+        new = self.pool.get_new_blocks(n)
+        wanted = block_hashes[start : start + n]
+        try:
+            self.offloader.load(wanted, [b.block_id for b in new])
+        except (OSError, RuntimeError, ValueError):
+            self.pool.free_blocks(reversed(new))
+            self.pool.free_blocks(reversed(hits))
+            return []
+        tokens = [0] * (start * self.block_size)
+        for h in wanted:
+            tier = next(t for t in self.offloader.tiers if h in t)
+            tokens.extend(tier.entries[h].token_ids)
+        self.pool.cache_full_blocks(
+            hits + new, block_hashes, start, start + n, tokens, extra_keys, lora_name
+        )
+        self.pool.free_blocks(reversed(new))
+        self.pool.free_blocks(reversed(hits))
+        return new
 
     def record_prefix_lookup(self, num_queried: int, num_hit: int) -> None:
         self.prefix_cache_queries += num_queried
@@ -146,18 +225,22 @@ class KVCacheManager:
         self.num_cached_blocks.pop(request.request_id, None)
         return self.req_to_blocks.pop(request.request_id, [])
 
-    def adopt_blocks(self, request: Request, payload_hashes: list[bytes]) -> list[int]:
-        """Indices of the request's full blocks that a payload can fill: the leading blocks
-        whose hashes equal the request's own (at most all but the last token), minus those
-        already cached here."""
+    def adopt_blocks(
+        self, request: Request, payload_hashes: list[bytes], first: int = 0
+    ) -> list[int]:
+        """Indices of the request's full blocks that a payload of blocks first, first + 1, ...
+        can fill: the leading ones whose hashes equal the request's own (at most all but the
+        last token), minus those already cached here."""
         self.update_block_hashes(request)
-        limit = min(len(payload_hashes), (request.num_tokens - 1) // self.block_size)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        limit = min(len(payload_hashes), max_blocks - first)
+        own = request.block_hashes[first:]
         verified = 0
-        while verified < limit and payload_hashes[verified] == request.block_hashes[verified]:
+        while verified < limit and payload_hashes[verified] == own[verified]:
             verified += 1
         return [
             i
-            for i in range(verified)
+            for i in range(first, first + verified)
             if self.pool.get_cached_block(request.block_hashes[i]) is None
         ]
 
@@ -183,7 +266,9 @@ class KVCacheManager:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+        if not self.pool.reset_prefix_cache():
+            return False
+        return self.offloader.clear() if self.offloader is not None else True
 
     def take_events(self) -> list:
         return self.pool.take_events()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+import zlib
 from dataclasses import dataclass, field
 
 import msgspec
@@ -106,4 +107,7 @@ def decode_payload(payload: bytes) -> tuple[dict, memoryview]:
     n = int.from_bytes(payload[:4], "big")
     header = json.loads(payload[4 : 4 + n])
     header["block_hashes"] = [bytes.fromhex(h) for h in header["block_hashes"]]
-    return header, memoryview(payload)[4 + n :]
+    data = memoryview(payload)[4 + n :]
+    if "kv_crc32" in header and zlib.crc32(data) != header["kv_crc32"]:
+        raise ValueError("KV payload checksum mismatch")
+    return header, data

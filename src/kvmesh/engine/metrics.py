@@ -133,6 +133,45 @@ class EngineMetrics:
             registry=r,
         )
 
+        tier = names + ["medium"]
+        self.offload_usage = Gauge(
+            "kvmesh:kv_offload_usage_perc",
+            "Offload tier usage (CPU: host DRAM, DISK). 1 means 100 percent.",
+            tier,
+            registry=r,
+        )
+        self.offload_hits = Counter(
+            "kvmesh:kv_offload_hits",
+            "Prefix tokens loaded from an offload tier instead of recomputed.",
+            tier,
+            registry=r,
+        )
+        self.offload_bytes = Counter(
+            "kvmesh:kv_offload_bytes",
+            "KV bytes moved into (store) and out of (load) an offload tier.",
+            tier + ["direction"],
+            registry=r,
+        )
+
+        self.peer_pulls = Counter(
+            "kvmesh:kv_peer_pulls",
+            "Pulls of prefix blocks from a peer engine, by outcome (ok, miss, failed, refused).",
+            names + ["outcome"],
+            registry=r,
+        )
+        self.peer_tokens = counter(
+            "kvmesh:kv_peer_pulled_tokens", "Prompt tokens imported from peers, not computed."
+        )
+
+    def record_tier(self, medium: str, usage: float, traffic) -> None:
+        """Usage of one tier and what moved since the last call (an offload.TierTraffic)."""
+        self.offload_usage.labels(**self.labels, medium=medium).set(usage)
+        if traffic.hit_tokens:
+            self.offload_hits.labels(**self.labels, medium=medium).inc(traffic.hit_tokens)
+        for direction, n in (("load", traffic.loaded_bytes), ("store", traffic.stored_bytes)):
+            if n:
+                self.offload_bytes.labels(**self.labels, medium=medium, direction=direction).inc(n)
+
     def set_cache_config(
         self,
         block_size: int,

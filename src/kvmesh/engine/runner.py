@@ -22,6 +22,7 @@ class ModelRunner(abc.ABC):
 
     num_blocks: int
     max_model_len: int
+    kv_bytes_per_block = 0  # KV bytes of one block across all layers (sizes offload tiers)
     waits_instead_of_computing = False  # True: execute() returns at once, the step lasts
     last_step_time = 0.0  # ... last_step_time seconds, which the driver waits out
 
@@ -45,3 +46,22 @@ class ModelRunner(abc.ABC):
     def transfer_time(self, meta: dict, num_blocks: int) -> float:
         """Seconds an imported payload should have taken to arrive (emulation models it)."""
         return 0.0
+
+    # ---- offload tiers: storage the runner owns, slots the core's tiers hand out ----------
+    def init_tiers(self, slots: dict[str, int], disk_path: str | None = None) -> None:
+        """Allocate storage for each tier medium ("CPU": host memory, "DISK": a file)."""
+        raise NotImplementedError
+
+    def copy_to_tier(self, medium: str, block_ids: list[int], slots: list[int]) -> None:
+        """Device blocks block_ids[i] -> tier slots[i]."""
+        raise NotImplementedError
+
+    def copy_from_tier(self, medium: str, slots: list[int], block_ids: list[int]) -> None:
+        """Tier slots[i] -> device blocks block_ids[i]."""
+        raise NotImplementedError
+
+    def copy_between_tiers(
+        self, src: str, src_slots: list[int], dst: str, dst_slots: list[int]
+    ) -> None:
+        """Tier src slot src_slots[i] -> tier dst slot dst_slots[i] (spills downwards)."""
+        raise NotImplementedError

@@ -13,6 +13,7 @@ from aiohttp import web
 
 from kvmesh.engine import openai_routes
 from kvmesh.engine.builder import EngineBundle
+from kvmesh.engine.peer import BLOCKS_ROUTE, PeerPuller, parse_allowlist
 from kvmesh.protocol.openai import (
     APIError,
     DetokenizeRequest,
@@ -25,6 +26,7 @@ from kvmesh.protocol.openai import (
 logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 32 * 2**20
 BUNDLE = web.AppKey("bundle", EngineBundle)
+GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 def _json(obj, status: int = 200, headers=None) -> web.Response:
@@ -148,8 +150,39 @@ async def kv_transfer(request: web.Request) -> web.Response:
     return web.Response(body=payload, content_type="application/octet-stream")
 
 
+async def kv_transfer_blocks(request: web.Request) -> web.Response:
+    """The peer route: another engine asks for cached blocks by hash, from a first index."""
+    b: EngineBundle = request.app[BUNDLE]
+    try:
+        body = await request.json()
+        hashes = [bytes.fromhex(h) for h in body["block_hashes"]]
+        first = int(body.get("first_block", 0))
+    except (ValueError, KeyError, TypeError):
+        raise APIError("Expected {block_hashes: [hex], first_block: int}.") from None
+    if not 0 <= first < len(hashes):
+        raise APIError("first_block must index block_hashes.")
+    payload = await b.engine.call(lambda core: core.export_prefix(hashes, first))
+    if payload is None:
+        raise APIError("None of these blocks is cached here.", 404)
+    return web.Response(body=payload, content_type="application/octet-stream")
+
+
+def peer_middleware(puller: PeerPuller):
+    """Before a completion runs, pull the blocks it lacks from the peer it names (if any)."""
+
+    @web.middleware
+    async def pull_first(request: web.Request, handler):
+        if request.method == "POST" and request.path in GENERATE_PATHS:
+            await puller.before_request(request.headers, request.path, await request.read())
+        return await handler(request)
+
+    return pull_first
+
+
 def build_app(bundle: EngineBundle) -> web.Application:
     middlewares = [error_middleware]
+    puller = PeerPuller(bundle, parse_allowlist(bundle.config.kv_peer_allowlist))
+    middlewares.append(peer_middleware(puller))
     if bundle.faults is not None:
         middlewares.append(bundle.faults.middleware())
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
@@ -170,6 +203,7 @@ def build_app(bundle: EngineBundle) -> web.Application:
     app.router.add_post("/v1/completions", openai_routes.completions)
     app.router.add_post("/v1/chat/completions", openai_routes.chat_completions)
     app.router.add_get("/kv_transfer/{request_id}", kv_transfer)
+    app.router.add_post(BLOCKS_ROUTE, kv_transfer_blocks)
     if os.environ.get("VLLM_SERVER_DEV_MODE") == "1" or os.environ.get("KVMESH_DEV_MODE") == "1":
         app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
 

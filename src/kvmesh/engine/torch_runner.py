@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -12,6 +13,7 @@ from kvmesh.engine.runner import ModelRunner, SampledTokens, blocked_tokens
 from kvmesh.engine.sampler import Sampler
 from kvmesh.engine.scheduler import SchedulerOutput
 from kvmesh.engine.sequence import Request
+from kvmesh.engine.tier_storage import DiskTierStorage, HostTierStorage
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +26,9 @@ class TorchRunner(ModelRunner):
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype()
         per_block = kv_cache_bytes_per_block(self.model_config, config.block_size, self.dtype)
+        self.kv_bytes_per_block = per_block
+        self.tiers: dict[str, HostTierStorage | DiskTierStorage] = {}
+        self.copy_seconds = 0.0  # time spent in tier copies (synchronous on CPU)
         if config.num_gpu_blocks is not None:
             self.num_blocks = config.num_gpu_blocks
         else:
@@ -117,3 +122,41 @@ class TorchRunner(ModelRunner):
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         for layer, cache in enumerate(self.kv_caches):
             cache[:, idx] = kv[layer]
+
+    # ---- offload tiers: slot-major storage, see tier_storage ---------------------------
+    def init_tiers(self, slots: dict[str, int], disk_path: str | None = None) -> None:
+        shape = (len(self.kv_caches), *self.kv_caches[0][:, 0].shape)  # [L, 2, bs, kvh, hd]
+        pin = self.device.type == "cuda"
+        for medium, n in slots.items():
+            if medium == "DISK":
+                assert disk_path, "a disk tier needs a path"
+                self.tiers[medium] = DiskTierStorage(disk_path, n, shape, self.dtype)
+            else:
+                self.tiers[medium] = HostTierStorage(n, shape, self.dtype, pin)
+
+    def _gather(self, block_ids: list[int]) -> torch.Tensor:
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return torch.stack([cache[:, idx] for cache in self.kv_caches], dim=1).transpose(0, 2)
+
+    @torch.inference_mode()
+    def copy_to_tier(self, medium: str, block_ids: list[int], slots: list[int]) -> None:
+        t0 = time.perf_counter()
+        blocks = self._gather(block_ids)  # [n, L, 2, bs, kvh, hd]
+        self.tiers[medium].write(slots, blocks)
+        self.copy_seconds += time.perf_counter() - t0
+
+    @torch.inference_mode()
+    def copy_from_tier(self, medium: str, slots: list[int], block_ids: list[int]) -> None:
+        t0 = time.perf_counter()
+        blocks = self.tiers[medium].read(slots).to(self.device, non_blocking=True)
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for layer, cache in enumerate(self.kv_caches):
+            cache[:, idx] = blocks[:, layer].transpose(0, 1)
+        self.copy_seconds += time.perf_counter() - t0
+
+    def copy_between_tiers(
+        self, src: str, src_slots: list[int], dst: str, dst_slots: list[int]
+    ) -> None:
+        t0 = time.perf_counter()
+        self.tiers[dst].write(dst_slots, self.tiers[src].read(src_slots))
+        self.copy_seconds += time.perf_counter() - t0

@@ -22,6 +22,13 @@ FILLER_TEXT = (
 )
 
 
+# named bandwidths of the links offloaded KV crosses (bytes/s)
+PCIE_BANDWIDTH = 50e9  # host DRAM <-> device: PCIe 5.0 x16, as copies achieve it
+NVME_BANDWIDTH = 6e9  # disk <-> host DRAM: one PCIe 4.0 NVMe drive
+NETWORK_BANDWIDTH = 25e9  # engine <-> engine: a 200 Gb/s RDMA NIC
+TIER_BANDWIDTH = {"CPU": PCIE_BANDWIDTH, "DISK": NVME_BANDWIDTH}
+
+
 class EmulatedRunner(ModelRunner):
     waits_instead_of_computing = True  # the AsyncEngine drives it from the event loop
 
@@ -42,7 +49,9 @@ class EmulatedRunner(ModelRunner):
         self.faults = None  # a FaultInjector whose slowdown applies on top, when set
         spec = getattr(latency, "model", None)
         self.kv_bytes_per_block = (spec.kv_bytes_per_token * block_size) if spec else 0
-        self.transfer_bandwidth = 25e9  # bytes/s between engines (an RDMA NIC class link)
+        self.transfer_bandwidth = NETWORK_BANDWIDTH
+        self.pending_load_time = 0.0  # tier -> device copies the next step waits for
+        self.pending_store_time = 0.0  # device -> tier copies, overlapped with the next step
         self.filler = tokenizer.encode(FILLER_TEXT, add_special_tokens=False) or [0]
         self.last_step_time = 0.0
         self.predicted_time_total = 0.0
@@ -58,7 +67,10 @@ class EmulatedRunner(ModelRunner):
             for s in out.scheduled
         ]
         slowdown = self.slowdown * (self.faults.config.slowdown if self.faults else 1.0)
-        self.last_step_time = self.latency.step_time(work) * slowdown
+        compute = self.latency.step_time(work) * slowdown
+        # stores overlap compute on the copy engine; loads must land before the step reads them
+        self.last_step_time = max(compute, self.pending_store_time) + self.pending_load_time
+        self.pending_load_time = self.pending_store_time = 0.0
         self.predicted_time_total += self.last_step_time
         self.num_steps += 1
         sampled: SampledTokens = {}
@@ -82,3 +94,24 @@ class EmulatedRunner(ModelRunner):
 
     def transfer_time(self, meta: dict, num_blocks: int) -> float:
         return num_blocks * self.kv_bytes_per_block / self.transfer_bandwidth
+
+    # ---- offload tiers: no data, only the time the copies take on the named links ---------
+    def init_tiers(self, slots: dict[str, int], disk_path: str | None = None) -> None:
+        self.tier_slots = dict(slots)
+
+    def _copy_time(self, medium: str, num_blocks: int) -> float:
+        return num_blocks * self.kv_bytes_per_block / TIER_BANDWIDTH.get(medium, PCIE_BANDWIDTH)
+
+    def copy_to_tier(self, medium: str, block_ids: list[int], slots: list[int]) -> None:
+        self.pending_store_time += self._copy_time(medium, len(block_ids))
+
+    def copy_from_tier(self, medium: str, slots: list[int], block_ids: list[int]) -> None:
+        time = self._copy_time(medium, len(slots))
+        if medium != "CPU":  # lower tiers reach the device through host memory
+            time += self._copy_time("CPU", len(slots))
+        self.pending_load_time += time
+
+    def copy_between_tiers(
+        self, src: str, src_slots: list[int], dst: str, dst_slots: list[int]
+    ) -> None:
+        self.pending_store_time += self._copy_time(dst, len(dst_slots))

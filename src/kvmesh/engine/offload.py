@@ -1,0 +1,130 @@
+"""KVOffloader: the device cache's lower tiers, top (host DRAM) to bottom (disk).
+
+Policy, and why:
+- Write-through to the top tier, as vLLM's OffloadingConnector does: every block registered in
+  the device prefix cache (computed, loaded or imported) is copied to the top tier right after
+  the step that cached it. Device eviction then costs nothing (no copy on the allocation path,
+  which would stall the step that needs the block), and the copy overlaps compute on a device
+  with its own copy engine.
+- Spill on eviction below the top: a block the top tier evicts is copied to the next tier
+  (disk) before its slot is reused, so the disk only receives blocks that outlived the host tier
+  instead of every computed block.
+- A prefix found only in a lower tier is loaded into fresh device blocks and registered as
+  device cache blocks, so the scheduler treats it as computed (never recomputed). Loaded blocks
+  are written through to the top tier like any other, which promotes disk blocks to host.
+
+The copies themselves are the runner's (`ModelRunner.copy_*`): the torch runner enqueues them on
+the compute stream without blocking the host on CUDA, and runs them synchronously on CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvmesh.engine.tiers import BlockToStore, OffloadTier
+
+
+@dataclass(slots=True)
+class TierTraffic:
+    """Bytes moved in and out of one tier since the last `take_traffic`."""
+
+    loaded_bytes: int = 0
+    stored_bytes: int = 0
+    hit_tokens: int = 0
+
+
+class KVOffloader:
+    def __init__(self, tiers: Sequence[OffloadTier], copier, bytes_per_block: int) -> None:
+        assert tiers, "an offloader needs at least one tier"
+        assert len({t.medium for t in tiers}) == len(tiers), "one tier per medium"
+        self.tiers = list(tiers)
+        self.copier = copier  # a ModelRunner: copy_to_tier, copy_from_tier, copy_between_tiers
+        self.bytes_per_block = bytes_per_block
+        self.pending: list[tuple[int, BlockToStore]] = []  # (device block id, block) to store
+        self.traffic = {t.medium: TierTraffic() for t in self.tiers}
+
+    # ---- stores (device -> top tier, then spills downwards) ------------------------------
+    def queue_store(self, block_id: int, block: BlockToStore) -> None:
+        self.pending.append((block_id, block))
+
+    def flush(self, still_cached) -> None:
+        """Copy the queued device blocks to the top tier; `still_cached(block_id, hash)` says
+        whether the device block still holds that block (its data is then intact)."""
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, []
+        by_hash = {b.block_hash: bid for bid, b in pending if still_cached(bid, b.block_hash)}
+        blocks = [b for bid, b in pending if by_hash.get(b.block_hash) == bid]
+        top = self.tiers[0]
+        stores, evicted = top.prepare_store(blocks)
+        self._spill(0, evicted)
+        if stores:
+            self.copier.copy_to_tier(
+                top.medium, [by_hash[b.block_hash] for b, _ in stores], [s for _, s in stores]
+            )
+            self.traffic[top.medium].stored_bytes += len(stores) * self.bytes_per_block
+
+    def _spill(self, level: int, evicted: list) -> None:
+        """Copy blocks evicted from tiers[level] into tiers[level + 1] (if any) before their
+        slots are reused; what that tier evicts in turn spills further down."""
+        if not evicted or level + 1 >= len(self.tiers):
+            return
+        src, dst = self.tiers[level], self.tiers[level + 1]
+        slot_of = {h: e.slot for h, e in evicted}
+        blocks = [BlockToStore(h, e.token_ids, e.parent) for h, e in evicted]
+        stores, deeper = dst.prepare_store(blocks)
+        self._spill(level + 1, deeper)
+        if stores:
+            self.copier.copy_between_tiers(
+                src.medium,
+                [slot_of[b.block_hash] for b, _ in stores],
+                dst.medium,
+                [s for _, s in stores],
+            )
+            self.traffic[dst.medium].stored_bytes += len(stores) * self.bytes_per_block
+
+    # ---- loads (a lower tier -> device) --------------------------------------------------
+    def lookup(self, block_hashes: Sequence[bytes]) -> int:
+        """How many leading hashes some tier holds (each block from whichever tier has it)."""
+        n = 0
+        for h in block_hashes:
+            if not any(h in t for t in self.tiers):
+                break
+            n += 1
+        return n
+
+    def load(self, block_hashes: Sequence[bytes], block_ids: Sequence[int]) -> None:
+        """Copy the blocks into these device blocks, each from the highest tier holding it."""
+        assert len(block_hashes) == len(block_ids)
+        for tier in self.tiers:
+            picked = [
+                (h, bid)
+                for h, bid in zip(block_hashes, block_ids, strict=True)
+                if h in tier and not any(h in t for t in self.tiers[: self.tiers.index(tier)])
+            ]
+            if not picked:
+                continue
+            hashes = [h for h, _ in picked]
+            slots = tier.prepare_load(hashes)
+            try:
+                self.copier.copy_from_tier(tier.medium, slots, [bid for _, bid in picked])
+            finally:
+                tier.complete_load(hashes)
+            moved = self.traffic[tier.medium]
+            moved.loaded_bytes += len(picked) * self.bytes_per_block
+            moved.hit_tokens += len(picked) * tier.block_size
+
+    def take_traffic(self) -> dict[str, TierTraffic]:
+        traffic = self.traffic
+        self.traffic = {t.medium: TierTraffic() for t in self.tiers}
+        return traffic
+
+    def clear(self) -> bool:
+        self.pending.clear()
+        return all([t.clear() for t in self.tiers])
+
+    def check_invariants(self) -> None:
+        for tier in self.tiers:
+            tier.check_invariants()
+            assert all(e.ref_cnt == 0 for e in tier.entries.values()), "a load left a reference"

@@ -1,0 +1,144 @@
+"""Peer sharing: before computing a request, pull the prefix blocks it lacks from a peer engine.
+
+The router (or any client) names the source as llm-d's P2P flow does, in the header
+`x-kv-cache-source-host-port: host:port`, or in the body as `kv_transfer_params.kvmesh_peer`.
+The engine first takes what it holds itself (device, then its lower tiers), then asks the peer
+for the rest by block hash (`POST /kv_transfer/blocks`); the peer answers with the longest run
+it holds, from any of its tiers. Blocks are imported only when their hashes equal those of the
+request's own tokens and the payload's checksum holds; a refused, failed or partial pull leaves
+the rest to be computed, so a pull can make a request faster but never change its output.
+Only allow-listed peers (`--kv-peer-allowlist`) are contacted: the name comes from a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from urllib.parse import urlsplit
+
+import aiohttp
+import msgspec
+
+from kvmesh.engine.sequence import Request, SamplingParams
+from kvmesh.protocol.openai import ChatCompletionRequest, CompletionRequest, completion_prompts
+
+logger = logging.getLogger(__name__)
+PEER_HEADER = "x-kv-cache-source-host-port"
+PEER_PARAM = "kvmesh_peer"
+BLOCKS_ROUTE = "/kv_transfer/blocks"
+
+
+def normalize_peer(peer: str) -> str | None:
+    """'host:port' from 'host:port' or 'http://host:port[/...]'; None if it is neither."""
+    peer = peer.strip()
+    if not peer:
+        return None
+    parts = urlsplit(peer if "//" in peer else f"//{peer}")
+    try:
+        port = parts.port
+    except ValueError:
+        return None
+    if not parts.hostname or port is None:
+        return None
+    return f"{parts.hostname}:{port}"
+
+
+def parse_allowlist(text: str | None) -> frozenset[str]:
+    if not text:
+        return frozenset()
+    peers = {normalize_peer(p) for p in text.split(",")}
+    if None in peers:
+        raise ValueError(f"--kv-peer-allowlist entries must be host:port, got {text!r}")
+    return frozenset(p for p in peers if p)
+
+
+def named_peer(headers, raw_body: bytes) -> str | None:
+    """The peer a request names, from the header or from kv_transfer_params.kvmesh_peer."""
+    if PEER_HEADER in headers:
+        return headers[PEER_HEADER]
+    if PEER_PARAM.encode() not in raw_body:
+        return None
+    try:
+        body = msgspec.json.decode(raw_body)
+        peer = (body.get("kv_transfer_params") or {}).get(PEER_PARAM)
+    except (msgspec.DecodeError, AttributeError):
+        return None
+    return peer if isinstance(peer, str) else None
+
+
+def prompt_token_ids(serving, path: str, raw_body: bytes) -> tuple[list[list[int]], str | None]:
+    """The prompts of a completion or chat request as token ids, and its cache_salt."""
+    if path.endswith("/chat/completions"):
+        chat = msgspec.json.decode(raw_body, type=ChatCompletionRequest)
+        return [serving.render_chat(chat)], chat.cache_salt
+    req = msgspec.json.decode(raw_body, type=CompletionRequest)
+    ids = [
+        serving.encode(p, req.add_special_tokens) if isinstance(p, str) else list(p)
+        for p in completion_prompts(req.prompt)
+    ]
+    return ids, req.cache_salt
+
+
+class PeerPuller:
+    """Pulls for one engine; `allowlist` holds the host:port peers it may contact."""
+
+    def __init__(self, bundle, allowlist: frozenset[str], timeout: float = 30.0) -> None:
+        self.bundle = bundle
+        self.allowlist = allowlist
+        self.timeout = timeout
+
+    async def before_request(self, headers, path: str, raw_body: bytes) -> int:
+        """Pull what the named peer holds for this request's prompts; tokens imported."""
+        named = named_peer(headers, raw_body)
+        if named is None:
+            return 0
+        peer = normalize_peer(named)
+        metrics = self.bundle.metrics
+        if peer is None or peer not in self.allowlist:
+            logger.warning("KV peer %r is not allow-listed; computing instead", named)
+            metrics.peer_pulls.labels(**metrics.labels, outcome="refused").inc()
+            return 0
+        try:
+            prompts, salt = prompt_token_ids(self.bundle.serving, path, raw_body)
+        except Exception:  # noqa: BLE001 - the handler reports a bad request properly
+            return 0
+        total = 0
+        for ids in prompts[:4]:
+            total += await self.pull(peer, ids, salt)
+        return total
+
+    async def pull(self, peer: str, token_ids: list[int], cache_salt: str | None = None) -> int:
+        engine, metrics = self.bundle.engine, self.bundle.metrics
+        rid = f"peer-{uuid.uuid4().hex}"
+        probe = Request(rid, token_ids, SamplingParams(), cache_salt=cache_salt)
+        first, hashes = await engine.call(lambda core: core.local_prefix(probe))
+        if first >= len(hashes):
+            return 0  # this engine holds the whole prefix already
+        body = {"block_hashes": [h.hex() for h in hashes], "first_block": first}
+        outcome, saved = "failed", 0
+        try:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(
+                    f"http://{peer}{BLOCKS_ROUTE}",
+                    json=body,
+                    timeout=aiohttp.ClientTimeout(total=self.timeout),
+                ) as resp,
+            ):
+                payload = await resp.read() if resp.status == 200 else None
+                if resp.status == 404:
+                    outcome = "miss"
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            logger.warning("KV pull from peer %s failed (%s); computing instead", peer, exc)
+            payload = None
+        if payload is not None:
+            saved = await engine.call(lambda core: core.import_payload(probe, payload))
+            outcome = "ok" if saved else "failed"
+            delay = engine.core.last_import_seconds
+            if saved and delay > 0:  # an emulated link: the blocks take this long to arrive
+                await asyncio.sleep(delay)
+        metrics.peer_pulls.labels(**metrics.labels, outcome=outcome).inc()
+        if saved:
+            metrics.peer_tokens.inc(saved)
+        return saved
