@@ -234,3 +234,46 @@ def test_caches_stay_within_budgets(tok):
         info = pt.cache_info()
         assert info["runs"] <= 3 and info["hash_blocks"] <= 40
         assert info["tokens"] <= 400 or info["runs"] == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(max_size=16))).map("".join))
+def test_fast_byte_level_bpe_equals_the_rust_tokenizer(tok, text):
+    backend = tok.backend_tokenizer
+    fast = _fast(backend)
+    try:
+        ids = fast.encode(text)
+    except UnicodeEncodeError:  # lone surrogates: the router falls back to the Rust path
+        return
+    assert ids == backend.encode(text, add_special_tokens=False).ids
+    with_cuts, (chars, tokens) = fast.encode_with_cuts(text, 5, 7, 3)
+    assert with_cuts == ids
+    for c, t in zip(chars, tokens, strict=True):  # each cut splits text and ids alike
+        assert fast.encode(text[: c - 5]) == ids[: t - 7]
+
+
+_FAST: dict = {}
+
+
+def _fast(backend):
+    from kvmesh.router.fastbpe import FastBPE
+
+    if "bpe" not in _FAST:
+        _FAST["bpe"] = FastBPE.probe(backend)
+    assert _FAST["bpe"] is not None
+    return _FAST["bpe"]
+
+
+def test_fast_bpe_refuses_other_tokenizer_layouts(tok):
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+    from kvmesh.router.fastbpe import FastBPE
+
+    backend = Tokenizer.from_str(tok.backend_tokenizer.to_str())
+    assert FastBPE.probe(backend) is not None
+    backend.normalizer = normalizers.Lowercase()
+    assert FastBPE.probe(backend) is None
+    backend = Tokenizer.from_str(tok.backend_tokenizer.to_str())
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    assert FastBPE.probe(backend) is None
+    assert FastBPE.probe(Tokenizer(models.WordLevel({"a": 0}, unk_token="a"))) is None

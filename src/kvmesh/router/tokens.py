@@ -19,6 +19,7 @@ Not thread-safe: the router calls it from one event loop.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from array import array
 from bisect import bisect_right
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.protocol.hashing import BlockHasher, block_hash_to_int
+from kvmesh.router.fastbpe import FastBPE
 
 _PROBES = ("a", "hello world", "x = 1\n")
 _COARSE = 16  # fine chunks per coarse chunk
@@ -116,12 +118,16 @@ class PromptTokenizer:
         self._margin = 16 + max((len(t) for t in added), default=48)
         self._backend = None
         self._backend = self._fast_backend()
+        self._bpe = FastBPE.probe(self._backend) if self._backend is not None else None
         self._cacheable = self._offsets_work()
         self._specials = self._special_affixes()
 
     def _plain(self, text: str, add_special_tokens: bool) -> list[int]:
         """``tokenizer.encode`` without the transformers wrapper's ~100 us per call, when the
         Rust tokenizer underneath was checked to give the same ids."""
+        if self._bpe is not None and not add_special_tokens:
+            with contextlib.suppress(UnicodeEncodeError):  # lone surrogates: the Rust path
+                return self._bpe.encode(text)
         if self._backend is not None:
             return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -320,6 +326,9 @@ class PromptTokenizer:
     ) -> tuple[list[int], tuple[list[int], list[int]]]:
         """Ids of ``text`` and its cuts (about every cut_stride tokens), shifted by the bases."""
         self.stats.chars_encoded += len(text)
+        if self._bpe is not None:
+            with contextlib.suppress(UnicodeEncodeError):  # lone surrogates: the Rust path
+                return self._bpe.encode_with_cuts(text, base_char, base_tok, self.cut_stride)
         if self._backend is not None:
             enc = self._backend.encode(text, add_special_tokens=False)
             ids, offsets = enc.ids, enc.offsets
