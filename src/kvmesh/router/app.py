@@ -218,7 +218,7 @@ class Router:
             if method != "POST":
                 return door.respond_error(405, f"{method} is not allowed on {path}.")
             return await self.handle_inference(door, request)
-        if method not in ("GET", "HEAD") or path not in ("/v1/models", "/health", "/metrics"):
+        if method != "GET" or path not in ("/v1/models", "/health", "/metrics"):
             return door.respond_error(404, f"No route for {method} {path}.")
         if path == "/health":
             return door.respond(200 if self.pool.candidates() else 503, b"", "text/plain")
@@ -325,7 +325,8 @@ class Router:
                 e.mark_failure(time.monotonic())
                 return "timeout"
             except asyncio.CancelledError:  # the client went away
-                conn.abort()
+                if conn.sink is ex:  # still ours: not finished and handed back to the pool
+                    conn.abort()
                 raise
             finally:
                 timer.cancel()
@@ -345,7 +346,8 @@ class Router:
                 door.must_close = True
             return
         except asyncio.CancelledError:
-            conn.abort()
+            if conn.sink is ex:
+                conn.abort()
             raise
         self.metrics.count(e.name, "ok" if ex.status < 400 else f"http_{ex.status}")
 

@@ -12,6 +12,8 @@ Rust tokenizer.
 from __future__ import annotations
 
 import json
+from bisect import bisect_left
+from itertools import accumulate, chain
 from typing import Any
 
 import regex
@@ -95,42 +97,45 @@ class FastBPE:
             self.words[word] = ids
         return ids
 
-    def pieces(self, text: str) -> list[tuple[str, list[int]]]:
-        """(piece, its ids) for each pre-token and added token of text, in order."""
-        out = []
-        parts = self.specials.split(text) if self.specials is not None else [text]
-        words, word = self.words, self._word
-        for k, part in enumerate(parts):
+    def pieces(self, text: str) -> tuple[list[str], list[list[int]]]:
+        """The pre-tokens and added tokens of text, in order, and the ids of each."""
+        words, word, split = self.words, self._word, self.split.findall
+        if self.specials is None:
+            pieces = split(text)
+            return pieces, [words.get(w) or word(w) for w in pieces]
+        pieces, ids = [], []
+        for k, part in enumerate(self.specials.split(text)):
             if k % 2:
-                out.append((part, [self.added[part]]))
+                pieces.append(part)
+                ids.append([self.added[part]])
             elif part:
-                for w in self.split.findall(part):
-                    ids = words.get(w)
-                    out.append((w, ids if ids is not None else word(w)))
-        return out
+                found = split(part)
+                pieces += found
+                ids += [words.get(w) or word(w) for w in found]
+        return pieces, ids
 
     def encode(self, text: str) -> list[int]:
-        ids: list[int] = []
-        for _, piece in self.pieces(text):
-            ids += piece
-        return ids
+        return list(chain.from_iterable(self.pieces(text)[1]))
 
     def encode_with_cuts(
         self, text: str, base_char: int, base_tok: int, stride: int
     ) -> tuple[list[int], tuple[list[int], list[int]]]:
-        """Ids of text and cuts at piece boundaries about every ``stride`` tokens: the ids
-        before a cut are the encoding of the text before it."""
-        ids: list[int] = []
+        """Ids of text and cuts after pieces about every ``stride`` tokens: the ids before a
+        cut are the encoding of the text before it."""
+        pieces, piece_ids = self.pieces(text)
+        ids = list(chain.from_iterable(piece_ids))
+        tok_end = list(accumulate(map(len, piece_ids)))
+        char_end = list(accumulate(map(len, pieces)))
         cut_chars: list[int] = []
         cut_tokens: list[int] = []
-        chars, nxt, prev = 0, stride, " "
-        for w, piece in self.pieces(text):
-            # never inside a whitespace run: how it splits depends on what follows
-            if len(ids) >= nxt and not prev.isspace():
-                cut_chars.append(base_char + chars)
-                cut_tokens.append(base_tok + len(ids))
-                nxt = len(ids) + stride
-            ids += piece
-            chars += len(w)
-            prev = w
+        last, target = len(pieces) - 1, stride
+        while target < len(ids):
+            i = bisect_left(tok_end, target)
+            while i < last and pieces[i].isspace():
+                i += 1  # never after whitespace: how a run splits depends on what follows
+            if i >= last:
+                break
+            cut_chars.append(base_char + char_end[i])
+            cut_tokens.append(base_tok + tok_end[i])
+            target = tok_end[i] + stride
         return ids, (cut_chars, cut_tokens)
