@@ -29,10 +29,12 @@ def test_help_explains_what_is_measured() -> None:
 def test_quick_run_reports_ratios_for_both_loads(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     add_args(parser)
-    assert main(parser.parse_args(["--quick", "--out", str(tmp_path)])) == 0
+    args = ["--quick", "--time-scale", "3", "--out", str(tmp_path)]
+    assert main(parser.parse_args(args)) == 0
     result = json.loads((tmp_path / "emulation.json").read_text())
     assert (tmp_path / "emulation.png").stat().st_size > 0
-    assert set(result["ratios"]) == {"light", "heavy"}
+    assert set(result["ratios"]) == {"light", "heavy", "heavy x3"}
+    assert result["phases"]["heavy x3"]["time_scale"] == 3.0
     for name, ratios in result["ratios"].items():
         for key in ("ttft", "itl"):
             assert math.isfinite(ratios[key]) and ratios[key] > 0, (name, key, ratios)

@@ -190,3 +190,21 @@ def test_admin_timing_reports_predicted_ttft_and_itl(tokenizer):
         assert t["ttft_count"] == 1 and t["itl_count"] == 4
         assert t["predicted_ttft_s_mean"] == pytest.approx(0.030)
         assert t["predicted_itl_s_mean"] == pytest.approx(0.010)
+
+
+def test_time_scale_runs_the_emulated_clock_in_slow_motion(tokenizer):
+    with emulated_fleet(
+        tokenizer, emulate_ttft_ms=20.0, emulate_itl_ms=20.0, emulate_time_scale=5.0
+    ) as (urls, f):
+        t0 = time.monotonic()
+        body = {"prompt": "x", "max_tokens": 6, "ignore_eos": True}
+        assert http(urls[0] + "/v1/completions", body)[0] == 200
+        assert time.monotonic() - t0 >= 6 * 0.020 * 5  # six steps, each 5x its 20 ms
+        t = json.loads(http(urls[0] + "/admin/timing")[2])
+        assert t["time_scale"] == 5.0  # predictions stay in emulated seconds
+        assert t["predicted_ttft_s_mean"] == pytest.approx(0.020)
+        assert t["predicted_itl_s_mean"] == pytest.approx(0.020)
+    with pytest.raises(ValueError, match="time-scale"):
+        from kvmesh.engine.emulation.builder import EmulationConfig
+
+        EmulationConfig(emulate_time_scale=0)

@@ -52,6 +52,13 @@ FLAGS = (  # flag, type, default, help
     ("--gpu", str, "h100", "Emulated accelerator (kvmesh serve --emulate-gpu)."),
     ("--model", str, "llama-3.1-8b", "Emulated model (kvmesh serve --emulate-model)."),
     ("--engine-procs", int, 1, "Engine processes the engines are split over."),
+    (
+        "--time-scale",
+        float,
+        0.0,
+        "Also run the heavy load in slow motion (kvmesh serve --emulate-time-scale K): every "
+        "step lasts K times its prediction and client times are divided by K. 0: no such phase.",
+    ),
     ("--port", int, 0, "First engine port; 0: free ports chosen by the OS."),
     ("--seed", int, 0, "Seed of the prompts and lengths."),
     ("--out", Path, Path("bench-results/emulation"), "Output directory."),
@@ -71,7 +78,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def start_engines(args: argparse.Namespace, count: int, streams: int) -> tuple[list, list[str]]:
+def start_engines(
+    args: argparse.Namespace, count: int, streams: int, scale: float = 1.0
+) -> tuple[list, list[str]]:
     """`kvmesh serve --emulate n` in --engine-procs processes; their base URLs once printed."""
     nprocs = max(1, min(args.engine_procs, count))
     counts = [count // nprocs + (j < count % nprocs) for j in range(nprocs)]
@@ -82,7 +91,8 @@ def start_engines(args: argparse.Namespace, count: int, streams: int) -> tuple[l
         cmd = [sys.executable, "-m", "kvmesh.cli", "serve", "--emulate", str(n), "--host"]
         cmd += ["127.0.0.1", "--port", str(port), "--emulate-gpu", args.gpu, "--emulate-model"]
         cmd += [args.model, "--max-num-seqs", str(max(64, streams))]
-        logs.append(args.out / f"engines-{j}.log")
+        cmd += ["--emulate-time-scale", str(scale)]
+        logs.append(args.out / f"engines-{j}-x{scale:g}.log")
         with open(logs[-1], "wb") as log:
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
     deadline = time.monotonic() + 300
@@ -201,17 +211,23 @@ async def loop_lag(samples: list[float], period: float = 0.01) -> None:
 async def timing(http: aiohttp.ClientSession, url: str) -> dict:
     async with http.get(f"{url}/admin/timing") as resp:
         resp.raise_for_status()
-        return {k: v for k, v in (await resp.json()).items() if not k.endswith("_mean")}
+        out = await resp.json()
+        return {k: v for k, v in out.items() if not k.endswith("_mean") and k != "time_scale"}
 
 
 def div(a: float, b: float) -> float:
     return a / b if b else math.nan
 
 
-def ratio_row(st: Stat, before: dict, after: dict, wall: float, engines: int = 1) -> dict:
-    """Client-measured means vs the predicted means over the same phase (snapshot difference)."""
+def ratio_row(
+    st: Stat, before: dict, after: dict, wall: float, engines: int = 1, scale: float = 1.0
+) -> dict:
+    """Client-measured means vs the predicted means over the same phase (snapshot difference);
+    measured wall times are divided by the time scale to compare in emulated seconds."""
     d = {k: after[k] - before[k] for k in after}
-    m_ttft, m_itl = div(st.ttft_sum, st.requests), div(st.itl_sum, st.itl_n)
+    m_ttft = div(st.ttft_sum, st.requests) / scale
+    m_itl = div(st.itl_sum, st.itl_n) / scale
+    wall /= scale
     p_ttft = div(d["predicted_ttft_s_sum"], d["ttft_count"])
     p_itl = div(d["predicted_itl_s_sum"], d["itl_count"])
     row = {"ttft_ms": m_ttft * 1e3, "ttft_pred_ms": p_ttft * 1e3, "ttft_ratio": div(m_ttft, p_ttft)}
@@ -225,7 +241,9 @@ def ratio_row(st: Stat, before: dict, after: dict, wall: float, engines: int = 1
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
 
 
-async def run_phase(urls: list[str], streams: int, args, model: str, procs) -> dict:
+async def run_phase(
+    urls: list[str], streams: int, args, model: str, procs, scale: float = 1.0
+) -> dict:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
         before = await asyncio.gather(*(timing(http, u) for u in urls))
         cpu0 = [cpu_seconds(p.pid) for p in procs], time.process_time(), machine_cpu()
@@ -236,7 +254,7 @@ async def run_phase(urls: list[str], streams: int, args, model: str, procs) -> d
         jobs = [
             (e, args.seed * 7919 + e * 97 + s) for e in range(len(urls)) for s in range(streams)
         ]
-        end = t0 + args.duration
+        end = t0 + args.duration * scale
         await asyncio.gather(
             *(stream_loop(http, urls[e], model, stats[e], end, s) for e, s in jobs)
         )
@@ -246,7 +264,8 @@ async def run_phase(urls: list[str], streams: int, args, model: str, procs) -> d
         after = await asyncio.gather(*(timing(http, u) for u in urls))
     per_engine, total = [], Stat()
     for u, st, b, a in zip(urls, stats, before, after, strict=True):
-        per_engine.append(ratio_row(st, b, a, wall) | {"url": u, "last_error": st.last_error})
+        row = ratio_row(st, b, a, wall, 1, scale)
+        per_engine.append(row | {"url": u, "last_error": st.last_error})
         for f in ("requests", "errors", "itl_n", "ttft_sum", "itl_sum"):
             setattr(total, f, getattr(total, f) + getattr(st, f))
     sums = [{k: sum(x[k] for x in snaps) for k in snaps[0]} for snaps in (before, after)]
@@ -254,9 +273,10 @@ async def run_phase(urls: list[str], streams: int, args, model: str, procs) -> d
     return {
         "engines": len(urls),
         "streams_per_engine": streams,
+        "time_scale": scale,
         "duration_s": args.duration,
         "wall_s": round(wall, 3),
-        "overall": ratio_row(total, *sums, wall, len(urls)),
+        "overall": ratio_row(total, *sums, wall, len(urls), scale),
         "engine_cpu_pct": [
             round((c - b) / wall * 100, 1) for b, c in zip(*(cpu0[0], cpu1[0]), strict=True)
         ],
@@ -298,15 +318,16 @@ def diagnose(ph: dict) -> list[str]:
     return notes
 
 
-async def measure(args, urls: list[str], procs, light: tuple[int, int], heavy: tuple[int, int]):
+async def measure(args, urls: list[str], procs, phases: dict, scale: float) -> dict:
+    """Each (engines, streams) phase in turn on engines started at this time scale."""
     async with aiohttp.ClientSession() as http:
         async with http.get(f"{urls[0]}/v1/models") as resp:
             model = (await resp.json())["data"][0]["id"]
         warm = {"model": model, "prompt": "warm up", "max_tokens": 4, "stream": True}
         await asyncio.gather(*(one_request(http, u, warm, Stat()) for u in urls))
     return {
-        "light": await run_phase(urls[: light[0]], light[1], args, model, procs),
-        "heavy": await run_phase(urls[: heavy[0]], heavy[1], args, model, procs),
+        name: await run_phase(urls[:engines], streams, args, model, procs, scale)
+        for name, (engines, streams) in phases.items()
     }
 
 
@@ -369,19 +390,29 @@ def main(args: argparse.Namespace) -> int:
         args.engines, args.streams, args.light_engines, args.light_streams = 2, 2, 1, 1
         args.duration = 3.0
     light, heavy = (args.light_engines, args.light_streams), (args.engines, args.streams)
-    if min(*light, *heavy, args.engine_procs) < 1 or args.duration <= 0:
-        print("kvmesh bench emulation: counts and --duration must be positive", file=sys.stderr)
+    if min(*light, *heavy, args.engine_procs) < 1 or args.duration <= 0 or args.time_scale < 0:
+        print(
+            "kvmesh bench emulation: counts and --duration must be positive, --time-scale >= 0",
+            file=sys.stderr,
+        )
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    procs: list[subprocess.Popen] = []
-    try:
-        procs, urls = start_engines(args, max(light[0], heavy[0]), max(light[1], heavy[1]))
-        phases = asyncio.run(measure(args, urls, procs, light, heavy))
-    except (RuntimeError, aiohttp.ClientError, KeyError) as exc:
-        print(f"kvmesh bench emulation: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        stop_engines(procs)
+    plan = {1.0: {"light": light, "heavy": heavy}}
+    if args.time_scale and args.time_scale != 1:
+        plan[args.time_scale] = {f"heavy x{args.time_scale:g}": heavy}
+    phases, nprocs = {}, 0
+    for scale, group in plan.items():
+        procs: list[subprocess.Popen] = []
+        try:
+            counts = [n for n, _ in group.values()], [s for _, s in group.values()]
+            procs, urls = start_engines(args, max(counts[0]), max(counts[1]), scale)
+            nprocs = len(procs)
+            phases |= asyncio.run(measure(args, urls, procs, group, scale))
+        except (RuntimeError, aiohttp.ClientError, KeyError) as exc:
+            print(f"kvmesh bench emulation: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            stop_engines(procs)
     for ph in phases.values():
         ph["notes"] = diagnose(ph)
     names = [f[2:].replace("-", "_") for f, *_ in FLAGS] + ["quick"]
@@ -389,7 +420,7 @@ def main(args: argparse.Namespace) -> int:
     ratios = {
         n: {k: p["overall"][f"{k}_ratio"] for k in ("ttft", "itl")} for n, p in phases.items()
     }
-    result = {"gpu": args.gpu, "model": args.model, "engine_procs": len(procs), "target": TARGET}
+    result = {"gpu": args.gpu, "model": args.model, "engine_procs": nprocs, "target": TARGET}
     result |= {"cpu_count": os.cpu_count(), "settings": settings, "ratios": ratios}
     result["phases"] = phases
     (args.out / "emulation.json").write_text(json.dumps(result, indent=2))

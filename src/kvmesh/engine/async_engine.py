@@ -41,6 +41,11 @@ class AsyncEngine:
         self._task: asyncio.Task | None = None
         self._async_wake: asyncio.Event | None = None
         self._stopped = False
+        # Wall seconds per emulated second (emulated runners only): at 4 every step lasts four
+        # times its predicted time, so a host too small for a fleet's token rate keeps the
+        # fleet's timing faithful in slow motion; clients divide what they measure by it.
+        self.time_scale = 1.0
+        self.timeline_restarts = 0  # steps that started late enough to leave the timeline
 
     @property
     def started(self) -> bool:
@@ -116,17 +121,21 @@ class AsyncEngine:
         """Steps on the event loop, back to back on an ideal timeline: a step that follows
         another starts at its predecessor's deadline, so time spent between steps (HTTP, SSE
         writes, scheduling) is absorbed instead of adding up, as long as it is shorter than a
-        step. A timeline more than CATCH_UP_S behind the clock is restarted from now."""
+        step. A timeline more than CATCH_UP_S (emulated) behind the clock restarts from now."""
         loop = asyncio.get_running_loop()
         assert self._async_wake is not None
         deadline: float | None = None
+        scale = self.time_scale
         while not self._stopped:
             outputs = self._drain()
             if self.core.has_work():
                 now = loop.time()
-                start = deadline if deadline is not None and now - deadline < CATCH_UP_S else now
+                late = now - deadline if deadline is not None else CATCH_UP_S * scale
+                start = deadline if late < CATCH_UP_S * scale else now
+                if start is now and deadline is not None:
+                    self.timeline_restarts += 1
                 outputs.extend(self._step())
-                deadline = start + self.core.runner.last_step_time
+                deadline = start + self.core.runner.last_step_time * scale
                 delay = deadline - loop.time()
                 await asyncio.sleep(delay if delay > 0 else 0)  # 0: let handlers run
             elif not outputs:

@@ -78,7 +78,7 @@ async def _stream(
         while item is not None:
             sent += 1
             if stall is not None and sent == stall[0] + 1:
-                await asyncio.sleep(stall[1])  # injected mid-stream stall
+                await asyncio.sleep(stall[1] * serving.engine.time_scale)  # injected stall
             i, out = item
             serving.accumulate(choices[i], out)
             if out.error:

@@ -178,7 +178,7 @@ class OpenAIServing:
         saved = await self.engine.call(lambda core: core.import_payload(request, payload))
         delay = self.engine.core.last_import_seconds
         if saved and delay > 0:  # an emulated link: the blocks take this long to arrive
-            await asyncio.sleep(delay)
+            await asyncio.sleep(delay * self.engine.time_scale)
         return saved
 
     # ---- running ----------------------------------------------------------------------

@@ -27,6 +27,7 @@ class EmulationConfig:
     step_overhead_ms: float = 2.0
     emulate_ttft_ms: float | None = None  # constant mode: first-token step time ...
     emulate_itl_ms: float | None = None  # ... and every other step's time
+    emulate_time_scale: float = 1.0  # wall seconds per emulated second (slow motion)
     fault_error_rate: float = 0.0
     fault_hang_rate: float = 0.0
     fault_crash_after: int = 0
@@ -42,6 +43,8 @@ class EmulationConfig:
             raise ValueError(f"--emulate-model must be one of {sorted(MODELS)}")
         if self.tensor_parallel_size < 1:
             raise ValueError("--tensor-parallel-size must be at least 1")
+        if not self.emulate_time_scale > 0:
+            raise ValueError("--emulate-time-scale must be positive")
         if (self.emulate_ttft_ms is None) != (self.emulate_itl_ms is None):
             raise ValueError("--emulate-ttft-ms and --emulate-itl-ms go together")
 
@@ -90,7 +93,9 @@ def build_emulated_engine(
     )
     bundle.engine.core.publish_events = faults.wrap_publish(bundle.engine.core.publish_events)
     bundle.faults = faults
-    timing = PredictedTiming()
+    timing = PredictedTiming(time_scale=emu.emulate_time_scale)
+    bundle.engine.time_scale = emu.emulate_time_scale
+    timing.timeline_restarts = lambda: bundle.engine.timeline_restarts
     bundle.engine.core.step_observer = timing.observe
     faults.timing = timing  # served on /admin/timing beside the fault settings
     return bundle

@@ -2,7 +2,8 @@
 
 A request's predicted TTFT is the predicted time of every step from its arrival to its first
 token (the remainder of the step in flight when it arrived included); each later token's
-predicted inter-token latency is the predicted time of the step that produced it.
+predicted inter-token latency is the predicted time of the step that produced it. All figures are
+in emulated seconds: with a time scale K, wall time on this host is K times longer.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ class PredictedTiming:
     itl_count: int = 0
     steps: int = 0
     predicted_step_sum: float = 0.0
+    time_scale: float = 1.0  # wall seconds per emulated second
+    timeline_restarts: object = None  # () -> how often the engine fell behind its timeline
     _elapsed: dict[str, float] = field(default_factory=dict)
     _last_step_end: float = 0.0
 
@@ -29,7 +32,8 @@ class PredictedTiming:
             del self._elapsed[rid]
         for rid, request in live.items():
             if rid not in self._elapsed:  # first seen: it waited out the step in flight
-                self._elapsed[rid] = max(0.0, self._last_step_end - request.arrival_time)
+                waited = (self._last_step_end - request.arrival_time) / self.time_scale
+                self._elapsed[rid] = max(0.0, waited)
             self._elapsed[rid] += step_time
         for request in progressed:
             if request.num_output_tokens == 1:
@@ -38,10 +42,12 @@ class PredictedTiming:
             else:
                 self.itl_sum += step_time
                 self.itl_count += 1
-        self._last_step_end = step_start + step_time
+        self._last_step_end = step_start + step_time * self.time_scale  # wall clock
 
     def summary(self) -> dict:
         return {
+            "time_scale": self.time_scale,
+            "timeline_restarts": self.timeline_restarts() if self.timeline_restarts else 0,
             "steps": self.steps,
             "predicted_step_s_sum": self.predicted_step_sum,
             "predicted_ttft_s_sum": self.ttft_sum,
