@@ -26,8 +26,10 @@ def test_parse_counters_sums_series() -> None:
 def test_quick_fleet_run(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     fleet.add_args(parser)
-    assert fleet.main(parser.parse_args(["--quick", "--out", str(tmp_path)])) == 0
+    args = ["--quick", "--emulate-time-scale", "2", "--out", str(tmp_path)]
+    assert fleet.main(parser.parse_args(args)) == 0
     result = json.loads((tmp_path / "fleet.json").read_text())
+    assert result["time_scale"] == 2.0 and "slow motion x2" in result["title"]
     assert (tmp_path / "fleet.png").stat().st_size > 0
     assert list(result["policies"]) == ["round-robin", "kvmesh"]
     assert len(result["engines"]) == 2
@@ -44,3 +46,21 @@ def test_quick_fleet_run(tmp_path: Path) -> None:
         assert s["engine_hit_rate"] is not None and s["preemptions"] == 0
         # the client's view of the cache (usage.cached_tokens) agrees with the engines' metrics
         assert abs(s["engine_hit_rate"] - s["hit_rate"]) < 0.02
+
+
+def test_single_url_agentic_command(tmp_path: Path, tokenizer) -> None:
+    from kvmesh.cli import build_parser
+    from tests.conftest import emulated_fleet
+
+    with emulated_fleet(tokenizer) as (urls, _):
+        args = build_parser().parse_args(
+            ["bench", "agentic", "--url", urls[0], "--engine-metrics", urls[0], "--out",
+             str(tmp_path), "--sessions", "2", "--turns", "2", "--fanout", "0", "--think-s", "0",
+             "--repo-tokens", "300", "--system-tokens", "200", "--tool-def-tokens", "100"]
+        )  # fmt: skip
+        assert args.func(args) == 0
+    doc = json.loads((tmp_path / "agentic.json").read_text())
+    r = doc["result"]
+    assert r["requests"] == doc["workload"]["requests"] == 4 and r["errors"] == 0
+    assert 0 < r["hit_rate"] <= doc["ceiling"]["hit_rate"] + 0.02  # turn 2 reuses turn 1
+    assert abs(r["engine_hit_rate"] - r["hit_rate"]) < 0.02

@@ -33,6 +33,19 @@ BENCH_COMMANDS = {
         "kvmesh.bench.fleet",
         "One workload through each routing policy over the same emulated fleet.",
     ),
+    "tiers": (
+        "kvmesh.bench.tiers_bench",
+        "TTFT of a long prompt with its prefix on device, host tier, disk, a peer, or recomputed.",
+    ),
+}
+
+
+WORKLOAD_COMMANDS = {
+    "agentic": "Coding-agent sessions (growing contexts, think time, sub-agent fan-outs) "
+    "against one OpenAI-compatible URL: TTFT, ITL, hit rate, errors.",
+    "shared-prefix": "Groups of prompts sharing a system prompt against one URL.",
+    "trace": "Replay a Mooncake-format trace (equal hash_ids become equal 512-token blocks) "
+    "against one URL.",
 }
 
 
@@ -126,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
         )
         module.add_args(bp)
         bp.set_defaults(func=module.main)
+    from kvmesh.bench import loadgen
+
+    for kind, text in WORKLOAD_COMMANDS.items():
+        bp = bench_sub.add_parser(kind, help=text, description=text)
+        loadgen.add_args_workload(bp, kind)
+        bp.set_defaults(func=loadgen.main_workload)
     return parser
 
 

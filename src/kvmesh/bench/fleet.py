@@ -56,6 +56,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--emulate-model", default="llama-3.1-8b", help="Emulated model [llama-3.1-8b]."
     )
     parser.add_argument(
+        "--emulate-time-scale",
+        type=float,
+        default=1.0,
+        help="Run the emulated engines in slow motion: every step lasts K times its predicted "
+        "time, arrivals and think times are stretched K times and measured times divided by K, "
+        "so a host too small for the fleet's token rate still measures it faithfully [1].",
+    )
+    parser.add_argument(
         "--serve-args",
         default="",
         help="Extra `kvmesh serve` flags for the engines, e.g. '--num-gpu-blocks 100000'.",
@@ -126,6 +134,8 @@ def start_engines(args: argparse.Namespace, n: int, out: Path) -> tuple[Proc, li
         args.emulate_model,
         "--kv-events-config",
         json.dumps(events),
+        "--emulate-time-scale",
+        str(args.emulate_time_scale),
         *args.serve_args.split(),
     ]
     proc = Proc(cmd, out / "engines.log")
@@ -257,6 +267,10 @@ def main(args: argparse.Namespace) -> int:
         else:
             targets.append(t)
     engines_proc, urls = None, [u.strip().rstrip("/") for u in args.endpoints.split(",") if u]
+    scale = 1.0 if urls else args.emulate_time_scale  # real endpoints run in real time
+    if not scale > 0:
+        console.print("kvmesh bench fleet: --emulate-time-scale must be positive")
+        return 2
     if not urls:
         console.print(f"starting {n} emulated engines ({args.emulate_model} on {args.emulate_gpu})")
         engines_proc, urls = start_engines(args, n, out)
@@ -264,7 +278,7 @@ def main(args: argparse.Namespace) -> int:
     mode = f"closed loop, {args.concurrency} sessions" if args.concurrency else "open loop"
     title = (
         f"{wl.kind}: {desc['requests']} requests, {desc['sessions']} sessions, {mode}, "
-        f"{len(urls)} engines"
+        f"{len(urls)} engines" + (f", slow motion x{scale:g}" if scale != 1 else "")
     )
     console.print(f"{title}; hit-rate ceiling {ceiling['hit_rate']:.3f}")
     rows: dict[str, dict] = {}
@@ -291,6 +305,7 @@ def main(args: argparse.Namespace) -> int:
                             label=name,
                             progress=progress,
                             timeout_s=args.request_timeout,
+                            time_scale=scale,
                         )
                     )
                     rows[name]["router_metrics"] = rm = router_metrics(url)
@@ -316,6 +331,7 @@ def main(args: argparse.Namespace) -> int:
         "ceiling": ceiling,
         "engines": urls,
         "concurrency": args.concurrency,
+        "time_scale": scale,
         "skipped": skipped,
         "policies": rows,
         "targets": check_targets(wl.kind, ceiling["hit_rate"], rows),

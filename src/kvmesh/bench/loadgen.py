@@ -51,9 +51,16 @@ class Record:
 
 
 async def send(
-    http: aiohttp.ClientSession, url: str, model: str | None, text: str, r: Request, t0: float
+    http: aiohttp.ClientSession,
+    url: str,
+    model: str | None,
+    text: str,
+    r: Request,
+    t0: float,
+    scale: float = 1.0,
 ) -> Record:
-    """One streaming completion; errors are recorded, never raised."""
+    """One streaming completion; errors are recorded, never raised. Times are divided by
+    `scale`, the engines' time scale (wall seconds per emulated second)."""
     body: dict = {
         "prompt": text,
         "max_tokens": r.max_tokens,
@@ -66,7 +73,7 @@ async def send(
         body["model"] = model
     headers = {"x-session-id": r.agent} if r.agent else {}
     start = time.perf_counter()
-    rec = Record(r.rid, start - t0)
+    rec = Record(r.rid, (start - t0) / scale)
     last, usage, chunks = None, {}, 0
     try:
         async with http.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
@@ -88,15 +95,15 @@ async def send(
                 if chunk.get("choices"):
                     now = time.perf_counter()
                     if last is None:
-                        rec.ttft = now - start
+                        rec.ttft = (now - start) / scale
                     else:
-                        rec.itls.append(now - last)
+                        rec.itls.append((now - last) / scale)
                     last, chunks = now, chunks + 1
                 if chunk.get("usage"):
                     usage = chunk["usage"]
     except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         rec.error = f"{type(exc).__name__}: {exc}"[:200]
-    rec.e2e = time.perf_counter() - start
+    rec.e2e = (time.perf_counter() - start) / scale
     details = usage.get("prompt_tokens_details") or {}
     rec.prompt_tokens = int(usage.get("prompt_tokens", r.prompt_tokens))
     rec.cached_tokens = int(details.get("cached_tokens") or 0)
@@ -115,11 +122,15 @@ async def run_workload(
     label: str = "",
     progress: Progress | None = None,
     timeout_s: float = 600.0,
+    time_scale: float = 1.0,
 ) -> dict:
     """Every request of `wl` against `url`; a request starts once its deps have finished and its
     delay has passed. Open loop (concurrency 0): each session starts at its arrival time. Closed
-    loop: `concurrency` sessions at a time, in arrival order. Returns summarize's dict."""
-    timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=30)
+    loop: `concurrency` sessions at a time, in arrival order. Returns summarize's dict.
+    With engines in slow motion (time_scale K), arrivals and think times are stretched K times
+    and every measured time is divided by K, so results are in the engines' emulated seconds."""
+    scale = time_scale
+    timeout = aiohttp.ClientTimeout(total=timeout_s * scale, sock_connect=30)
     async with aiohttp.ClientSession(
         timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
     ) as http:
@@ -135,8 +146,8 @@ async def run_workload(
             for d in r.deps:
                 await done[d].wait()
             if r.delay > 0:
-                await asyncio.sleep(r.delay)
-            rec = await send(http, url, model, wl.text(r), r, t0)
+                await asyncio.sleep(r.delay * scale)
+            rec = await send(http, url, model, wl.text(r), r, t0, scale)
             records.append(rec)
             done[r.rid].set()
             tally[0] += bool(rec.error)
@@ -162,10 +173,10 @@ async def run_workload(
         else:
             tasks = []
             for s in sessions:
-                await asyncio.sleep(max(0.0, t0 + s[0].at - time.perf_counter()))
+                await asyncio.sleep(max(0.0, t0 + s[0].at * scale - time.perf_counter()))
                 tasks.append(asyncio.create_task(session(s)))
             await asyncio.gather(*tasks)
-        wall = time.perf_counter() - t0
+        wall = (time.perf_counter() - t0) / scale
         after = await scrape_engines(http, engines)
     records.sort(key=lambda x: x.rid)
     return summarize(records, wall, before, after, engines)
