@@ -163,7 +163,10 @@ class Router:
         work.add_done_callback(released)
         return await asyncio.shield(work)
 
-    def scheduling_request(self, body: bytes, path: str, headers) -> SchedulingRequest:
+    def scheduling_request(
+        self, body: bytes, path: str, headers: dict[str, str]
+    ) -> SchedulingRequest:
+        """Headers with lower-case names, as the front door gives them."""
         fields = _decoder.decode(body)
         ids: list[int] = []
         if path.endswith("/chat/completions"):
@@ -189,8 +192,7 @@ class Router:
                 raise ValueError("prompt must be a string or a list of token ids")
         rid = headers.get("x-request-id") or os.urandom(16).hex()
         keys = self.tokens.block_keys(ids, cache_salt=fields.cache_salt) if self.tokenize else []
-        hdrs = {k.lower(): v for k, v in headers.items()}
-        return SchedulingRequest(rid, fields.model, ids, keys, hdrs, self.config.block_size)
+        return SchedulingRequest(rid, fields.model, ids, keys, headers, self.config.block_size)
 
     def pick(self, req: SchedulingRequest, exclude: set[str]) -> SchedulingResult | None:
         candidates = self.pool.candidates()

@@ -85,7 +85,7 @@ class Exchange:
     """One request's trip to an endpoint. A 5xx answer is held back (the router tries another
     endpoint); any other passes to the client as it comes, with ``extra`` header lines."""
 
-    __slots__ = ("door", "extra", "head", "done", "status", "started", "chunks")
+    __slots__ = ("door", "extra", "head", "done", "status", "started", "chunks", "pending")
 
     def __init__(self, door: FrontDoor, extra: bytes) -> None:
         loop = asyncio.get_running_loop()
@@ -94,6 +94,7 @@ class Exchange:
         self.done: asyncio.Future = loop.create_future()
         self.status, self.started = 0, False
         self.chunks: _Chunks | None = None
+        self.pending = b""  # the answer's head, sent with the first body bytes when they came too
 
     def on_head(self, status: int, lines: list[bytes], delimited: bool) -> bool:
         self.status = status
@@ -112,19 +113,28 @@ class Exchange:
             out.append(b"Connection: close")
         out.append(b"\r\n")
         door.sent_head = self.started = True
-        door.transport.write(b"\r\n".join(out))
+        self.pending = b"\r\n".join(out)
         self.head.set_result(status)
         return True
 
+    def flush(self) -> None:
+        if self.pending and not self.door.closed:
+            self.door.transport.write(self.pending)
+        self.pending = b""
+
     def on_body(self, data: bytes) -> None:
+        if self.pending:
+            data, self.pending = self.pending + data, b""
         if not self.door.closed:
             self.door.transport.write(data)
 
     def on_end(self) -> None:
+        self.flush()
         if not self.done.done():
             self.done.set_result(None)
 
     def on_error(self, message: str) -> None:
+        self.flush()
         err = UpstreamError(message, self.started)
         fut = self.head if not self.head.done() else self.done
         if not fut.done():
@@ -189,6 +199,7 @@ class Upstream(asyncio.Protocol):
                 self._finish()
                 return
             if not data:
+                sink.flush()
                 return
         if self.remaining > 0:
             if len(data) >= self.remaining:
