@@ -149,3 +149,10 @@ def test_peer_names_are_normalized():
     assert parse_allowlist("a:1, http://b:2") == {"a:1", "b:2"}
     with pytest.raises(ValueError):
         parse_allowlist("a:1,nonsense")
+
+
+def test_bad_allowlist_is_refused_at_startup():
+    from kvmesh.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="kv-peer-allowlist"):
+        EngineConfig(kv_peer_allowlist="10.0.0.1:8000,nonsense")

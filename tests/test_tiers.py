@@ -81,10 +81,10 @@ def check(kv: KVCacheManager, copier: FakeCopier) -> None:
 def test_lru_store_evicts_oldest_unreferenced():
     tier = OffloadTier("CPU", 2, BS)
     a, b, c = (BlockToStore(bytes([i]), (i,) * BS, None) for i in range(3))
-    stores, evicted = tier.prepare_store([a, b])
+    stores, evicted, _ = tier.prepare_store([a, b])
     assert [s for _, s in stores] == [0, 1] and not evicted
     slots = tier.prepare_load([a.block_hash])  # a is being read: it must survive
-    _, evicted = tier.prepare_store([c])
+    _, evicted, _ = tier.prepare_store([c])
     assert [h for h, _ in evicted] == [b.block_hash] and a.block_hash in tier
     tier.complete_load([a.block_hash])
     assert slots == [0] and tier.hit_blocks == 1
@@ -96,18 +96,29 @@ def test_store_everything_referenced_skips():
     a, b = (BlockToStore(bytes([i]), (i,) * BS, None) for i in range(2))
     tier.prepare_store([a])
     tier.prepare_load([a.block_hash])
-    stores, evicted = tier.prepare_store([b])
-    assert stores == [] and evicted == [] and b.block_hash not in tier
+    stores, evicted, dropped = tier.prepare_store([b])
+    assert stores == [] and evicted == [] == dropped and b.block_hash not in tier
     tier.check_invariants()
 
 
 def test_batch_larger_than_tier_keeps_the_newest():
     tier = OffloadTier("CPU", 2, BS)
     blocks = [BlockToStore(bytes([i]), (i,) * BS, None) for i in range(3)]
-    stores, evicted = tier.prepare_store(blocks)
-    assert evicted == []  # block 0 was never written: nothing to spill
+    stores, evicted, dropped = tier.prepare_store(blocks)
+    assert evicted == []  # block 0 was never written: nothing to spill ...
+    assert dropped == [blocks[0]]  # ... but the caller may store it further down
     assert [b.block_hash for b, _ in stores] == [bytes([1]), bytes([2])]
     tier.check_invariants()
+
+
+def test_blocks_a_small_host_tier_cannot_keep_go_straight_to_disk():
+    kv, copier = make_kv(num_blocks=12, cpu=2, disk=32)
+    prompt = list(range(100, 141))  # 10 full blocks, cached in one step
+    run_request(kv, copier, "a", prompt)
+    cpu, disk = kv.offloader.tiers
+    hashes = hashes_of(kv, prompt)
+    assert all(h in cpu or h in disk for h in hashes[:10])
+    check(kv, copier)
 
 
 def test_prefix_evicted_from_device_is_loaded_from_host_not_recomputed():

@@ -62,6 +62,10 @@ class EngineConfig:
             raise ValueError("--kv-offloading-size must be positive (GiB)")
         if self.kv_offloading_disk_path is not None and self.kv_offloading_disk_size <= 0:
             raise ValueError("--kv-offloading-disk-size must be positive (GiB)")
+        for peer in (self.kv_peer_allowlist or "").split(","):
+            host, _, port = peer.strip().rpartition(":")
+            if peer.strip() and (not host or not port.isdigit()):
+                raise ValueError(f"--kv-peer-allowlist entries must be host:port, got {peer!r}")
         if (
             not self.enable_chunked_prefill
             and self.max_model_len is not None

@@ -55,15 +55,23 @@ class KVOffloader:
             return
         pending, self.pending = self.pending, []
         by_hash = {b.block_hash: bid for bid, b in pending if still_cached(bid, b.block_hash)}
-        blocks = [b for bid, b in pending if by_hash.get(b.block_hash) == bid]
-        top = self.tiers[0]
-        stores, evicted = top.prepare_store(blocks)
-        self._spill(0, evicted)
+        self._store_from_device(
+            0, [b for bid, b in pending if by_hash.get(b.block_hash) == bid], by_hash
+        )
+
+    def _store_from_device(self, level: int, blocks: list[BlockToStore], device_ids) -> None:
+        """Store device blocks in tiers[level]; those the batch itself pushed out again (a
+        tier smaller than one step's blocks) go on to the tier below, still from the device."""
+        if not blocks or level >= len(self.tiers):
+            return
+        tier = self.tiers[level]
+        stores, evicted, dropped = tier.prepare_store(blocks)
+        self._spill(level, evicted)
         if stores:
-            self.copier.copy_to_tier(
-                top.medium, [by_hash[b.block_hash] for b, _ in stores], [s for _, s in stores]
-            )
-            self.traffic[top.medium].stored_bytes += len(stores) * self.bytes_per_block
+            ids = [device_ids[b.block_hash] for b, _ in stores]
+            self.copier.copy_to_tier(tier.medium, ids, [s for _, s in stores])
+            self.traffic[tier.medium].stored_bytes += len(stores) * self.bytes_per_block
+        self._store_from_device(level + 1, dropped, device_ids)
 
     def _spill(self, level: int, evicted: list) -> None:
         """Copy blocks evicted from tiers[level] into tiers[level + 1] (if any) before their
@@ -73,7 +81,7 @@ class KVOffloader:
         src, dst = self.tiers[level], self.tiers[level + 1]
         slot_of = {h: e.slot for h, e in evicted}
         blocks = [BlockToStore(h, e.token_ids, e.parent) for h, e in evicted]
-        stores, deeper = dst.prepare_store(blocks)
+        stores, deeper, _ = dst.prepare_store(blocks)  # a spill larger than dst keeps its newest
         self._spill(level + 1, deeper)
         if stores:
             self.copier.copy_between_tiers(

@@ -101,12 +101,14 @@ class OffloadTier:
 
     def prepare_store(
         self, blocks: list[BlockToStore]
-    ) -> tuple[list[tuple[BlockToStore, int]], list[tuple[bytes, TierEntry]]]:
-        """Slots for the blocks not yet held (held ones are touched), and the entries evicted
-        to free them, whose slots the caller must read (to spill them) before writing. Blocks
-        that find no slot (everything referenced) are skipped."""
+    ) -> tuple[list[tuple[BlockToStore, int]], list[tuple[bytes, TierEntry]], list[BlockToStore]]:
+        """(slots for the blocks not yet held (held ones are touched); the entries evicted to
+        free them, whose slots the caller must read (to spill them) before writing; the blocks
+        of this batch that a later one of it pushed out again, never written). Blocks that
+        find no slot (everything referenced) are skipped."""
         stores: dict[bytes, tuple[BlockToStore, int]] = {}  # insertion order = store order
         evicted: list[tuple[bytes, TierEntry]] = []
+        dropped: list[BlockToStore] = []
         for block in blocks:
             if block.block_hash in self.entries:
                 self.entries.move_to_end(block.block_hash)
@@ -115,8 +117,8 @@ class OffloadTier:
                 victim = self._evict_one()
                 if victim is None:
                     break
-                if victim[0] in stores:  # stored earlier in this batch: never written, drop it
-                    del stores[victim[0]]
+                if victim[0] in stores:  # stored earlier in this batch: never written
+                    dropped.append(stores.pop(victim[0])[0])
                 else:
                     evicted.append(victim)
             slot = self.free_slots.pop()
@@ -130,7 +132,7 @@ class OffloadTier:
                 self.emit(BlockRemoved(block_hashes=removed, medium=self.medium))
             for run in _chains([b for b, _ in stores.values()]):
                 self.emit(self._stored_event(run))
-        return list(stores.values()), evicted
+        return list(stores.values()), evicted, dropped
 
     def _evict_one(self) -> tuple[bytes, TierEntry] | None:
         for h, entry in self.entries.items():

@@ -148,10 +148,16 @@ class TorchRunner(ModelRunner):
     @torch.inference_mode()
     def copy_from_tier(self, medium: str, slots: list[int], block_ids: list[int]) -> None:
         t0 = time.perf_counter()
-        blocks = self.tiers[medium].read(slots).to(self.device, non_blocking=True)
+        store = self.tiers[medium]
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        for layer, cache in enumerate(self.kv_caches):
-            cache[:, idx] = blocks[:, layer].transpose(0, 1)
+        if isinstance(store, HostTierStorage) and self.device.type == "cpu":
+            rows = torch.tensor(slots, dtype=torch.long)  # layer by layer: no all-layer copy
+            for layer, cache in enumerate(self.kv_caches):
+                cache[:, idx] = store.data[rows, layer].transpose(0, 1)
+        else:
+            blocks = store.read(slots).to(self.device, non_blocking=True)
+            for layer, cache in enumerate(self.kv_caches):
+                cache[:, idx] = blocks[:, layer].transpose(0, 1)
         self.copy_seconds += time.perf_counter() - t0
 
     def copy_between_tiers(

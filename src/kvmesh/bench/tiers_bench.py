@@ -1,0 +1,143 @@
+"""TTFT of one long prompt on the real engine (SmolLM2 on this CPU) with its prefix in each place
+it can be: the device cache, the host-DRAM tier, the disk tier, a peer engine, or nowhere
+(recomputed), side by side in one run.
+
+Three `kvmesh serve` engines, one request at a time, max_tokens 1 (the latency is the TTFT):
+  tiered   a device cache just over one prompt, a host tier of several prompts;
+  spilling the same device cache, a host tier of a few blocks and a disk tier: what the host
+           tier evicts spills to disk (written, flushed and dropped from the page cache);
+  puller   no tiers, allowed to pull from `tiered`.
+The prompt is computed once (recomputed), sent again (device), pushed out of the device by two
+other prompts of the same length and sent again (host tier on `tiered`, disk on `spilling`), and
+sent to `puller` naming `tiered` as its source (peer). Each row also reports the cached tokens
+and the tier counters that moved, so a row's source is checked, not assumed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+import urllib.request
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from kvmesh.bench import http_load
+
+PEER_HEADER = "x-kv-cache-source-host-port"
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt-tokens", type=int, default=4000, help="Tokens in the prompt.")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--host-tier-gib", type=float, default=1.0, help="Host tier of `tiered`.")
+    p.add_argument("--disk-tier-gib", type=float, default=1.0, help="Disk tier of `spilling`.")
+    p.add_argument("--threads", type=int, default=0, help="Torch threads per engine (0: all).")
+    p.add_argument("--quick", action="store_true", help="CI-sized: a 400-token prompt.")
+    p.add_argument("--out", default="bench-results/tiers", help="Folder for the JSON.")
+
+
+def _post(url: str, body: dict, headers: dict | None = None) -> dict:
+    req = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
+    with urllib.request.urlopen(req, timeout=900) as resp:
+        return json.loads(resp.read())
+
+
+def _tier_counters(url: str) -> dict[str, float]:
+    """kvmesh tier and peer counters from /metrics, by name and medium/outcome."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"(kvmesh:kv_(?:offload_hits|peer_pulled_tokens)_total)\{(.*)\} (\S+)", line)
+        if m:
+            medium = re.search(r'medium="(\w+)"', m.group(2))
+            key = m.group(1) + (f"[{medium.group(1)}]" if medium else "")
+            out[key] = float(m.group(3))
+    return out
+
+
+def _ttft(url: str, ids: list[int], headers: dict | None = None) -> tuple[float, int, dict]:
+    """(seconds to the first token, cached tokens, tier counters that moved)."""
+    before = _tier_counters(url)
+    t0 = time.perf_counter()
+    out = _post(
+        url + "/v1/completions", {"prompt": ids, "max_tokens": 1, "temperature": 0}, headers
+    )
+    seconds = time.perf_counter() - t0
+    after = _tier_counters(url)
+    moved = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+    return seconds, out["usage"]["prompt_tokens_details"]["cached_tokens"], moved
+
+
+def _prompt_ids(url: str, seed: int, n: int) -> list[int]:
+    text = http_load.random_words(seed, n)  # words tokenize to at least one token each
+    ids = _post(url + "/tokenize", {"prompt": text, "add_special_tokens": False})["tokens"]
+    assert len(ids) >= n, "the prompt came out shorter than asked"
+    return ids[:n]
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.prompt_tokens, args.host_tier_gib, args.disk_tier_gib = 400, 0.1, 0.1
+    out = Path(args.out)
+    (out / "disk").mkdir(parents=True, exist_ok=True)
+    blocks = args.prompt_tokens // args.block_size + 8  # one prompt fits, two do not
+    common = ["--num-gpu-blocks", str(blocks), "--block-size", str(args.block_size)]
+    if args.threads:
+        common += ["--num-threads", str(args.threads)]
+    ports = [http_load.free_port() for _ in range(3)]
+    tiered = [*common, "--kv-offloading-size", str(args.host_tier_gib)]
+    spilling = [*common, "--kv-offloading-size", "0.003"]  # a few blocks: nearly all spill
+    spilling += ["--kv-offloading-disk-path", str(out / "disk")]
+    spilling += ["--kv-offloading-disk-size", str(args.disk_tier_gib)]
+    puller = [*common, "--kv-peer-allowlist", f"127.0.0.1:{ports[0]}"]
+    console = Console()
+    rows: dict[str, dict] = {}
+
+    def record(name: str, result: tuple[float, int, dict]) -> None:
+        seconds, cached, moved = result
+        rows[name] = {"ttft_s": round(seconds, 4), "cached_tokens": cached, "moved": moved}
+        console.print(f"{name:>10}: TTFT {seconds * 1000:9.1f} ms, {cached} tokens cached {moved}")
+
+    with (
+        http_load.EngineProcess(ports[0], tiered, out / "tiered.log") as t_url,
+        http_load.EngineProcess(ports[1], spilling, out / "spilling.log") as s_url,
+        http_load.EngineProcess(ports[2], puller, out / "puller.log") as p_url,
+    ):
+        prompt = _prompt_ids(t_url, 1, args.prompt_tokens)
+        fillers = [_prompt_ids(t_url, seed, args.prompt_tokens) for seed in (2, 3)]
+        warm_up = _prompt_ids(t_url, 99, 32)  # first-request costs stay out of the figures
+        _ttft(t_url, warm_up)
+        record("recomputed", _ttft(t_url, prompt))
+        record("device", _ttft(t_url, prompt))
+        for filler in fillers:
+            _ttft(t_url, filler)
+        record("host", _ttft(t_url, prompt))
+        for ids in (prompt, *fillers):
+            _ttft(s_url, ids)
+        record("disk", _ttft(s_url, prompt))
+        _ttft(p_url, warm_up)
+        record("peer", _ttft(p_url, prompt, {PEER_HEADER: f"127.0.0.1:{ports[0]}"}))
+
+    table = Table(title=f"TTFT of a {args.prompt_tokens}-token prompt, SmolLM2-135M on this CPU")
+    for col in ("prefix from", "TTFT", "vs recomputed", "cached tokens"):
+        table.add_column(col, justify="left" if col == "prefix from" else "right")
+    base = rows["recomputed"]["ttft_s"]
+    for name in ("device", "host", "disk", "peer", "recomputed"):
+        r = rows[name]
+        speedup = base / r["ttft_s"] if r["ttft_s"] else 0.0
+        table.add_row(
+            name, f"{r['ttft_s'] * 1000:.1f} ms", f"{speedup:.1f}x", str(r["cached_tokens"])
+        )
+    console.print(table)
+    results = {"settings": {k: v for k, v in vars(args).items() if not callable(v)}, **rows}
+    (out / "tiers.json").write_text(json.dumps(results, indent=2) + "\n")
+    console.print(f"results: {out / 'tiers.json'}")
+    return 0

@@ -1,0 +1,30 @@
+"""`kvmesh bench tiers --quick` end to end: three real engines, every prefix source checked."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_quick_tiers_bench(tmp_path):
+    out = tmp_path / "tiers"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvmesh.cli", "bench", "tiers", "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads((out / "tiers.json").read_text())
+    n = data["settings"]["prompt_tokens"]
+    full = (n - 1) // 16 * 16
+    assert data["recomputed"]["cached_tokens"] == 0
+    for name in ("device", "host", "disk", "peer"):
+        assert data[name]["cached_tokens"] == full, name
+        assert data[name]["ttft_s"] > 0
+    # each row's tokens came from where its name says
+    assert data["device"]["moved"] == {}
+    assert data["host"]["moved"] == {"kvmesh:kv_offload_hits_total[CPU]": full}
+    assert data["disk"]["moved"].get("kvmesh:kv_offload_hits_total[DISK]", 0) >= full - 4 * 16
+    assert data["peer"]["moved"] == {"kvmesh:kv_peer_pulled_tokens_total": full}
