@@ -52,6 +52,7 @@ class EmulatedRunner(ModelRunner):
         self.transfer_bandwidth = NETWORK_BANDWIDTH
         self.pending_load_time = 0.0  # tier -> device copies the next step waits for
         self.pending_store_time = 0.0  # device -> tier copies, overlapped with the next step
+        self.modelled_loads: dict[str, float] = {}  # medium -> seconds of loads modelled so far
         self.filler = tokenizer.encode(FILLER_TEXT, add_special_tokens=False) or [0]
         self.last_step_time = 0.0
         self.predicted_time_total = 0.0
@@ -110,6 +111,7 @@ class EmulatedRunner(ModelRunner):
         if medium != "CPU":  # lower tiers reach the device through host memory
             time += self._copy_time("CPU", len(slots))
         self.pending_load_time += time
+        self.modelled_loads[medium] = self.modelled_loads.get(medium, 0.0) + time
 
     def copy_between_tiers(
         self, src: str, src_slots: list[int], dst: str, dst_slots: list[int]
