@@ -77,7 +77,13 @@ async def test_ranks_are_scheduled_pinned_and_indexed_apart(tokenizer, tmp_path)
     )
     config = KVEventsConfig(enable_kv_cache_events=True, endpoint=events)
     pubs = [ZmqEventPublisher(config, rank) for rank in (0, 1)]
-    cfg = RouterConfig(endpoints_file=str(path), preset="round-robin", scrape_interval=0.05)
+    picker = tmp_path / "picker.yaml"  # turns by name, with the KV-event index subscribed
+    picker.write_text(
+        "plugins: [{type: precise-prefix-cache-scorer}, {type: round-robin-picker}]\n"
+        "schedulingProfiles: [{name: default, plugins: [{pluginRef: round-robin-picker},"
+        " {pluginRef: precise-prefix-cache-scorer}]}]\n"
+    )
+    cfg = RouterConfig(endpoints_file=str(path), scheduler_config=str(picker), scrape_interval=0.05)
     router = Router(cfg, tokenizer)
     server = await start_router(router, "127.0.0.1", 0)
     port = server.server.sockets[0].getsockname()[1]

@@ -155,3 +155,32 @@ async def test_endpoint_backoff_and_loss_after_repeated_failures():
             assert not e.healthy and e.failures == i + 1
     assert lost == [e.name]
     assert e.retry_at > 0 and pool.candidates() == []
+
+
+def test_profiles_without_prefix_plugins_skip_tokenizing_and_kv_events(tokenizer):
+    from kvmesh.router.app import Router, RouterConfig
+    from kvmesh.router.plugins import needs_tokens, reads_precise_index
+
+    def ctx():
+        return Indexes()
+
+    expect = {  # preset: (tokenizes, subscribes to KV events)
+        "round-robin": (False, False),
+        "random": (False, False),
+        "load": (False, False),
+        "approx-prefix": (True, False),
+        "precise-prefix": (True, True),
+        "kvmesh": (True, True),
+        "pd": (True, True),
+    }
+    for name, flags in expect.items():
+        pipeline = Pipeline.preset(name, ctx())
+        assert (needs_tokens(pipeline), reads_precise_index(pipeline)) == flags, name
+    body = b'{"prompt": "' + b"a prompt long enough to fill blocks " * 8 + b'"}'
+    for preset, encodes in (("round-robin", 0), ("kvmesh", 1)):
+        router = Router(RouterConfig(["http://127.0.0.1:1"], preset=preset), tokenizer)
+        req = router.scheduling_request(body, "/v1/completions", {})
+        assert router.tokens.stats.encodes == encodes
+        assert bool(req.block_keys) == bool(encodes) and bool(req.token_ids) == bool(encodes)
+        with pytest.raises(ValueError):
+            router.scheduling_request(b'{"prompt": 5}', "/v1/completions", {})

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
+import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -21,11 +21,12 @@ from kvmesh.router.index import ApproximateIndex, PreciseIndex
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.pd import prefill_remotely
 from kvmesh.router.pipeline import Pipeline, SchedulingResult
-from kvmesh.router.plugins import SchedulingRequest, needs_tokens
+from kvmesh.router.plugins import SchedulingRequest, needs_tokens, reads_precise_index
 from kvmesh.router.proxy import Exchange, Link, Upstream, UpstreamError
 
 logger = logging.getLogger(__name__)
 decisions = logging.getLogger("kvmesh.router.decisions")
+_ids = random.Random()  # request ids: seeded from the OS once, no system call per request
 OFF_LOOP_BYTES = 64 * 1024  # bodies this large are tokenized on a thread, off the event loop
 INFERENCE_PATHS = frozenset(("/v1/completions", "/v1/chat/completions"))
 _BROKE = b'data: {"error": {"message": "upstream stream broke", "type": "InternalServerError", "code": 502}}\n\n'  # noqa: E501
@@ -115,14 +116,17 @@ class Router:
         conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
         self.session = aiohttp.ClientSession(connector=conn, auto_decompress=False)
         self.events = EventIngest(self.precise_index, self.session)
-        if self.config.kv_events:
+        # KV events feed the precise index only: a pipeline that never reads it skips them
+        subscribe = reads_precise_index(self.pipeline)
+        if self.config.kv_events and subscribe:
             for e in self.pool.endpoints.values():
                 e.kv_events = e.kv_events or self.config.kv_events
                 self.events.watch(e)
 
         def added(e: Endpoint) -> None:
             e.kv_events = e.kv_events or self.config.kv_events
-            self.events.watch(e)
+            if subscribe:
+                self.events.watch(e)
 
         self.pool.on_added = added
         self.pool.on_lost = self._lost
@@ -190,7 +194,7 @@ class Router:
                 ids = list(p)
             else:
                 raise ValueError("prompt must be a string or a list of token ids")
-        rid = headers.get("x-request-id") or os.urandom(16).hex()
+        rid = headers.get("x-request-id") or f"{_ids.getrandbits(128):032x}"
         keys = self.tokens.block_keys(ids, cache_salt=fields.cache_salt) if self.tokenize else []
         return SchedulingRequest(rid, fields.model, ids, keys, headers, self.config.block_size)
 

@@ -52,6 +52,7 @@ class FastBPE:
         self.split = regex.compile(GPT2_SPLIT)
         names = sorted(added, key=len, reverse=True)  # longest first: leftmost-longest match
         self.added = added
+        self.openers = frozenset(name[0] for name in names)  # no such char: no added token
         self.specials = (
             regex.compile("(" + "|".join(map(regex.escape, names)) + ")") if names else None
         )
@@ -100,7 +101,7 @@ class FastBPE:
     def pieces(self, text: str) -> tuple[list[str], list[list[int]]]:
         """The pre-tokens and added tokens of text, in order, and the ids of each."""
         words, word, split = self.words, self._word, self.split.findall
-        if self.specials is None:
+        if self.specials is None or not any(c in text for c in self.openers):
             pieces = split(text)
             return pieces, [words.get(w) or word(w) for w in pieces]
         pieces, ids = [], []

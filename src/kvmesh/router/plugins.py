@@ -252,8 +252,7 @@ class NoHitLRUScorer:
     recent: OrderedDict = field(default_factory=OrderedDict)
 
     def _cold(self, req) -> bool:
-        hits = list((req.precise or {}).values()) + list((req.approximate or {}).values())
-        return not any(h > 0 for h in hits)
+        return not any(h and max(h.values()) > 0 for h in (req.precise, req.approximate))
 
     def score(self, req, endpoints):
         if not self._cold(req):
@@ -354,3 +353,10 @@ def needs_tokens(pipeline: Any) -> bool:
     if type(pipeline.handler).__name__ != "SingleProfileHandler":
         return True
     return not all(isinstance(p, TOKEN_FREE) for p in pipeline.plugins.values())
+
+
+def reads_precise_index(pipeline: Any) -> bool:
+    """Whether scheduling with this pipeline reads the KV-event index (else no subscriptions)."""
+    if type(pipeline.handler).__name__ != "SingleProfileHandler":
+        return True
+    return any(isinstance(p, PrecisePrefixScorer) for p in pipeline.plugins.values())
