@@ -40,6 +40,15 @@ def _rank_source(sources: dict, rank: int | None) -> dict | None:
     return cfg
 
 
+def subscribe_address(publisher_endpoint: str, host: str) -> str:
+    """Where the router's SUB socket goes for an engine's publisher endpoint: a publisher that
+    binds (wildcard, ipc, inproc) is connected to at the engine's host; one that connects to a
+    named address needs the router to bind it ("bind:" prefix)."""
+    if publisher_binds(publisher_endpoint):
+        return publisher_endpoint.replace("*", host)
+    return "bind:" + publisher_endpoint
+
+
 class EventIngest:
     def __init__(self, index, session: aiohttp.ClientSession, stats=None) -> None:
         self.index = index
@@ -71,8 +80,10 @@ class EventIngest:
 
     async def _discover(self, e: Endpoint) -> tuple[str, str | None, str]:
         """(sub endpoint, replay endpoint, topic) from the engine's /kv_event_sources."""
-        if e.kv_events != "auto":
-            return e.kv_events, None, ""
+        if e.kv_events != "auto":  # given: as a publisher would say it (bind unless wildcard)
+            ep = e.kv_events
+            bind = ep.startswith("bind:") or not publisher_binds(ep)
+            return ("bind:" + ep.removeprefix("bind:")) if bind else ep, None, ""
         while True:
             try:
                 async with self.session.get(
@@ -85,20 +96,28 @@ class EventIngest:
             except (TimeoutError, aiohttp.ClientError, ValueError, StopIteration, AttributeError):
                 pass
             await asyncio.sleep(1.0)
-        host = e.host
-
-        def reach(ep: str | None) -> str | None:
-            return ep.replace("*", host) if ep else None
-
-        return reach(cfg["endpoint"]), reach(cfg.get("replay_endpoint")), cfg.get("topic", "")
+        replay = cfg.get("replay_endpoint")
+        replay = replay.replace("*", e.host) if replay else None
+        return subscribe_address(cfg["endpoint"], e.host), replay, cfg.get("topic", "")
 
     async def _run(self, e: Endpoint) -> None:
+        """Follow one endpoint's events; a failure is logged and the subscription retried."""
+        while True:
+            try:
+                await self._follow(e)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bad address, a socket error: never silently gone
+                logger.warning("KV events of %s: %s; retrying in 5 s", e.name, exc)
+                await asyncio.sleep(5.0)
+
+    async def _follow(self, e: Endpoint) -> None:
         sub_ep, replay_ep, topic = await self._discover(e)
         sock = self.ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
         # a publisher that binds is connected to; one that connects needs us to bind
-        if sub_ep.startswith("bind:") or not publisher_binds(sub_ep):
+        if sub_ep.startswith("bind:"):
             sock.bind(sub_ep.removeprefix("bind:"))
         else:
             sock.connect(sub_ep)
