@@ -144,9 +144,10 @@ class Router:
 
     # ---- scheduling -----------------------------------------------------------------------
     async def parse(self, request: Request) -> SchedulingRequest:
-        """scheduling_request, with a large prompt tokenized on a thread (the Rust tokenizer lets
-        the event loop run meanwhile). One thread at a time holds the tokenizer and its caches:
-        requests that need it wait, requests in flight keep streaming."""
+        """scheduling_request, with a large prompt tokenized on a thread (its regex split and
+        the Rust tokenizer release the GIL, so the event loop runs meanwhile). One thread at a
+        time holds the tokenizer and its caches: requests that need it wait, requests in flight
+        keep streaming."""
         if not self.tokenize:
             return self.scheduling_request(request.body, request.path, request.headers)
         while not self._tokenizer_free.is_set():

@@ -98,9 +98,13 @@ class FastBPE:
             self.words[word] = ids
         return ids
 
+    def _findall(self, text: str) -> list[str]:
+        # a long text is split without the GIL, so a thread tokenizing it lets the loop run
+        return self.split.findall(text, concurrent=len(text) > 4096 or None)
+
     def pieces(self, text: str) -> tuple[list[str], list[list[int]]]:
         """The pre-tokens and added tokens of text, in order, and the ids of each."""
-        words, word, split = self.words, self._word, self.split.findall
+        words, word, split = self.words, self._word, self._findall
         if self.specials is None or not any(c in text for c in self.openers):
             pieces = split(text)
             return pieces, [words.get(w) or word(w) for w in pieces]
