@@ -60,6 +60,7 @@ def test_prefix_from_host_tier_gives_identical_output(smollm2):
         assert metric(url, "kvmesh:kv_offload_hits_total", "CPU") == cpu.hit_blocks * 16
         assert metric(url, "kvmesh:kv_offload_bytes_total", "CPU") > 0
         assert 0 < metric(url, "kvmesh:kv_offload_usage_perc", "CPU") <= 1
+        assert bundle.metrics.offload_copy_seconds._value.get() > 0  # CPU copies are timed
 
 
 def test_prefix_from_disk_tier_gives_identical_output(smollm2, tmp_path):

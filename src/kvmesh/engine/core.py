@@ -66,6 +66,7 @@ class EngineCore:
         self.held = HeldBlocks(self.transfer_config.hold_timeout_s)
         self.advertise = ("127.0.0.1", 0)  # host and port peers reach this engine at
         self.last_import_seconds = 0.0  # modelled transfer time of the last import (emulation)
+        self._copy_seconds_seen = 0.0  # runner tier-copy time already counted in metrics
 
     def add_request(self, request: Request) -> None:
         p = request.sampling
@@ -298,3 +299,7 @@ class EngineCore:
             tiers = {t.medium: t for t in self.kv.offloader.tiers}
             for medium, traffic in self.kv.offloader.take_traffic().items():
                 m.record_tier(medium, tiers[medium].usage, traffic)
+            spent = getattr(self.runner, "copy_seconds", 0.0)
+            if spent > self._copy_seconds_seen:
+                m.offload_copy_seconds.inc(spent - self._copy_seconds_seen)
+                self._copy_seconds_seen = spent

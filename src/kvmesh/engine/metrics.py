@@ -153,6 +153,10 @@ class EngineMetrics:
             registry=r,
         )
 
+        self.offload_copy_seconds = counter(
+            "kvmesh:kv_offload_copy_seconds",
+            "Seconds the engine thread spent in tier copies (synchronous on CPU).",
+        )
         self.peer_pulls = Counter(
             "kvmesh:kv_peer_pulls",
             "Pulls of prefix blocks from a peer engine, by outcome (ok, miss, failed, refused).",
