@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-import zlib
 from dataclasses import dataclass
 
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
@@ -15,6 +14,7 @@ from kvmesh.engine.kv_transfer import (
     KVTransferConfig,
     decode_payload,
     encode_payload,
+    encode_payload_parts,
     producer_params,
 )
 from kvmesh.engine.metrics import EngineMetrics
@@ -244,9 +244,9 @@ class EngineCore:
         max_blocks = (request.num_tokens - 1) // self.kv.block_size
         return len(computed.blocks), request.block_hashes[:max_blocks]
 
-    def export_prefix(self, block_hashes: list[bytes], first: int) -> bytes | None:
+    def export_prefix(self, block_hashes: list[bytes], first: int) -> list | None:
         """The blocks block_hashes[first:first + k] for the longest k this engine holds (a
-        lower tier's are loaded to the device first), as a transfer payload; None if k == 0."""
+        lower tier's are loaded to the device first), as transfer payload parts; None if k == 0."""
         wanted = block_hashes[first:]
         hits = self.kv.find_cached(wanted)
         if self.kv.offloader is not None and len(hits) < len(wanted):
@@ -260,8 +260,9 @@ class EngineCore:
             self.kv.pool.free_blocks(reversed(hits))
         self.kv.flush_offload()
         self.publish_events(self.kv.take_events())
-        meta = {**meta, "first_block": first, "kv_crc32": zlib.crc32(data)}
-        return encode_payload(wanted[: len(hits)], len(hits) * self.kv.block_size, data, meta)
+        meta = {**meta, "first_block": first}
+        n = len(hits) * self.kv.block_size
+        return encode_payload_parts(wanted[: len(hits)], n, data, meta)
 
     def expire_held(self) -> None:
         for held in self.held.expired():

@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 import time
 import uuid
-import zlib
 from dataclasses import dataclass, field
 
 import msgspec
+import xxhash
 
 from kvmesh.engine.block_pool import KVCacheBlock
 from kvmesh.protocol.kv_transfer import prefill_response_params
@@ -93,12 +93,26 @@ def producer_params(
     return prefill_response_params(cfg.engine_id, request_id, block_ids, host, port, num_tokens)
 
 
-def encode_payload(block_hashes: list[bytes], num_tokens: int, data: bytes, meta: dict) -> bytes:
-    """[4-byte header length][JSON header][raw KV bytes]."""
+def encode_payload_parts(
+    block_hashes: list[bytes], num_tokens: int, data, meta: dict
+) -> list[bytes | memoryview]:
+    """[4-byte header length + JSON header, raw KV bytes]: written one after the other, so the
+    KV (often hundreds of MB) is never copied into one buffer. The header carries an XXH3-64 of
+    the KV, checked on arrival."""
     header = json.dumps(
-        {"block_hashes": [h.hex() for h in block_hashes], "num_tokens": num_tokens, **meta}
+        {
+            "block_hashes": [h.hex() for h in block_hashes],
+            "num_tokens": num_tokens,
+            **meta,
+            "kv_xxh3": xxhash.xxh3_64_intdigest(data),
+        }
     ).encode()
-    return len(header).to_bytes(4, "big") + header + data
+    header += b" " * (-(4 + len(header)) % 64)  # the KV starts 64-byte aligned in the payload
+    return [len(header).to_bytes(4, "big") + header, memoryview(data)]
+
+
+def encode_payload(block_hashes: list[bytes], num_tokens: int, data, meta: dict) -> bytes:
+    return b"".join(encode_payload_parts(block_hashes, num_tokens, data, meta))
 
 
 def decode_payload(payload: bytes) -> tuple[dict, memoryview]:
@@ -108,6 +122,6 @@ def decode_payload(payload: bytes) -> tuple[dict, memoryview]:
     header = json.loads(payload[4 : 4 + n])
     header["block_hashes"] = [bytes.fromhex(h) for h in header["block_hashes"]]
     data = memoryview(payload)[4 + n :]
-    if "kv_crc32" in header and zlib.crc32(data) != header["kv_crc32"]:
+    if "kv_xxh3" in header and xxhash.xxh3_64_intdigest(data) != header["kv_xxh3"]:
         raise ValueError("KV payload checksum mismatch")
     return header, data

@@ -161,10 +161,16 @@ async def kv_transfer_blocks(request: web.Request) -> web.Response:
         raise APIError("Expected {block_hashes: [hex], first_block: int}.") from None
     if not 0 <= first < len(hashes):
         raise APIError("first_block must index block_hashes.")
-    payload = await b.engine.call(lambda core: core.export_prefix(hashes, first))
-    if payload is None:
+    parts = await b.engine.call(lambda core: core.export_prefix(hashes, first))
+    if parts is None:
         raise APIError("None of these blocks is cached here.", 404)
-    return web.Response(body=payload, content_type="application/octet-stream")
+    resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+    resp.content_length = sum(len(p) for p in parts)
+    await resp.prepare(request)
+    for part in parts:  # the KV part is written from the runner's buffer, not copied first
+        await resp.write(part)
+    await resp.write_eof()
+    return resp
 
 
 def peer_middleware(puller: PeerPuller):

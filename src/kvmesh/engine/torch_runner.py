@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
+import warnings
 
 import torch
 
@@ -103,7 +105,7 @@ class TorchRunner(ModelRunner):
     def export_blocks(self, block_ids: list[int]) -> tuple[bytes, dict]:
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         kv = torch.stack([cache[:, idx] for cache in self.kv_caches])  # [L, 2, n, bs, kvh, hd]
-        data = kv.contiguous().cpu().view(torch.uint8).numpy().tobytes()
+        data = memoryview(kv.contiguous().cpu().view(torch.uint8).numpy()).cast("B")
         return data, {"dtype": str(self.dtype).removeprefix("torch."), "shape": list(kv.shape)}
 
     @torch.inference_mode()
@@ -117,8 +119,18 @@ class TorchRunner(ModelRunner):
             or shape[:2] + shape[3:] != local[:2] + local[3:]
         ):
             raise ValueError(f"KV layout {meta.get('dtype')} {shape} does not match {local}")
-        kv = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype).reshape(shape)
-        kv = kv[:, :, select].to(self.device)
+        if len(data) != math.prod(shape) * self.dtype.itemsize:
+            raise ValueError(f"KV payload has {len(data)} bytes for shape {shape}")
+        with warnings.catch_warnings():  # read only: the payload buffer is never written
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(data, dtype=torch.uint8)
+        if flat.data_ptr() % self.dtype.itemsize:  # misaligned for the dtype: copy once
+            flat = flat.clone()
+        kv = flat.view(self.dtype).reshape(shape)
+        if select == list(range(select[0], select[0] + len(select))):  # a run: no gather copy
+            kv = kv.narrow(2, select[0], len(select)).to(self.device)
+        else:
+            kv = kv[:, :, select].to(self.device)
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         for layer, cache in enumerate(self.kv_caches):
             cache[:, idx] = kv[layer]
