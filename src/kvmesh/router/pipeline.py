@@ -47,16 +47,18 @@ schedulingProfiles:
 """,
     # events say what is cached; the router's own recent decisions cover blocks whose events have
     # not arrived yet; load outweighs prefix once the holder is the busiest (so a hot shared
-    # prefix spreads), and cold contexts spread by LRU
+    # prefix spreads); a request whose best match is under half its prompt (a new session that
+    # shares only the system prompt and tools) is placed as a cold one, by load and LRU, so new
+    # contexts spread instead of piling onto the first holders of the shared prefix
     "kvmesh": """
 plugins:
-- {type: precise-prefix-cache-scorer}
-- {type: prefix-cache-scorer}
+- {type: precise-prefix-cache-scorer, parameters: {matchThreshold: 0.5}}
+- {type: prefix-cache-scorer, parameters: {matchThreshold: 0.5}}
 - {type: queue-scorer}
 - {type: active-request-scorer}
 - {type: kv-cache-utilization-scorer}
 - {type: session-affinity-scorer}
-- {type: no-hit-lru-scorer}
+- {type: no-hit-lru-scorer, parameters: {matchThreshold: 0.5}}
 schedulingProfiles:
 - name: default
   plugins:

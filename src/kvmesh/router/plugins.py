@@ -136,12 +136,29 @@ register("model-filter")(lambda n, p, c: ModelFilter(n))
 # ---- scorers -----------------------------------------------------------------------------
 
 
+def best_match_fraction(req) -> float:
+    """The largest fraction of the prompt's blocks any endpoint is known to hold."""
+    total = len(req.block_keys)
+    best = max((max(h.values(), default=0) for h in (req.precise, req.approximate) if h), default=0)
+    return best / total if total else 0.0
+
+
+def _match_scores(hits: dict, endpoints, total: int, threshold: float) -> dict[str, float]:
+    """Each endpoint's held fraction of the prompt; all 0 when even the best is below
+    `threshold` (a match that short, e.g. a system prompt every session shares, is not worth
+    following: placing the request by load spreads new contexts instead)."""
+    if not total or (threshold > 0 and max(hits.values(), default=0) < threshold * total):
+        return dict.fromkeys((e.name for e in endpoints), 0.0)
+    return {e.name: hits.get(e.name, 0) / total for e in endpoints}
+
+
 @dataclass(slots=True)
 class PrecisePrefixScorer:
     """Consecutive leading blocks each endpoint holds (from KV events), weighted by medium."""
 
     name: str
     index: Any
+    threshold: float = 0.0  # matchThreshold: a best match below this fraction scores 0
 
     def score(self, req, endpoints):
         total = len(req.block_keys)
@@ -151,7 +168,7 @@ class PrecisePrefixScorer:
                 if total
                 else {}
             )
-        return {e.name: (req.precise.get(e.name, 0.0) / total if total else 0.0) for e in endpoints}
+        return _match_scores(req.precise, endpoints, total, self.threshold)
 
 
 @dataclass(slots=True)
@@ -160,6 +177,7 @@ class ApproxPrefixScorer:
 
     name: str
     index: Any
+    threshold: float = 0.0  # matchThreshold, as the precise scorer's
 
     def score(self, req, endpoints):
         total = len(req.block_keys)
@@ -169,9 +187,7 @@ class ApproxPrefixScorer:
                 if total
                 else {}
             )
-        return {
-            e.name: (req.approximate.get(e.name, 0) / total if total else 0.0) for e in endpoints
-        }
+        return _match_scores(req.approximate, endpoints, total, self.threshold)
 
 
 @dataclass(slots=True)
@@ -245,13 +261,17 @@ class SessionAffinityScorer:
 
 @dataclass(slots=True)
 class NoHitLRUScorer:
-    """Cold requests (no endpoint has any of the prefix) go to the least recently used endpoint
-    for cold requests, spreading new contexts; warm requests get a neutral 0.5."""
+    """Cold requests (no endpoint holds more than `threshold` of the prompt; by default none of
+    it) go to the least recently used endpoint for cold requests, spreading new contexts; warm
+    requests get a neutral 0.5."""
 
     name: str
     recent: OrderedDict = field(default_factory=OrderedDict)
+    threshold: float = 0.0  # matchThreshold: a best match at or below this fraction is cold
 
     def _cold(self, req) -> bool:
+        if self.threshold > 0:
+            return best_match_fraction(req) <= self.threshold
         return not any(h and max(h.values()) > 0 for h in (req.precise, req.approximate))
 
     def score(self, req, endpoints):
@@ -269,8 +289,12 @@ class NoHitLRUScorer:
             self.recent.move_to_end(endpoint.name)
 
 
-register("precise-prefix-cache-scorer")(lambda n, p, c: PrecisePrefixScorer(n, c.precise_index))
-register("prefix-cache-scorer")(lambda n, p, c: ApproxPrefixScorer(n, c.approximate_index))
+register("precise-prefix-cache-scorer")(
+    lambda n, p, c: PrecisePrefixScorer(n, c.precise_index, float(p.get("matchThreshold", 0)))
+)
+register("prefix-cache-scorer")(
+    lambda n, p, c: ApproxPrefixScorer(n, c.approximate_index, float(p.get("matchThreshold", 0)))
+)
 register("queue-scorer")(lambda n, p, c: QueueScorer(n))
 register("kv-cache-utilization-scorer")(lambda n, p, c: KVCacheUtilizationScorer(n))
 register("active-request-scorer")(lambda n, p, c: ActiveRequestScorer(n))
@@ -283,7 +307,9 @@ register("session-affinity-scorer")(
         n, p.get("header", "x-session-id").lower(), float(p.get("ttlSeconds", 300))
     )
 )
-register("no-hit-lru-scorer")(lambda n, p, c: NoHitLRUScorer(n))
+register("no-hit-lru-scorer")(
+    lambda n, p, c: NoHitLRUScorer(n, threshold=float(p.get("matchThreshold", 0)))
+)
 
 
 # ---- pickers -----------------------------------------------------------------------------

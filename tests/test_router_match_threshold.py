@@ -1,0 +1,55 @@
+"""matchThreshold: a best prefix match under a fraction of the prompt is not followed (prefix
+scorers give 0 everywhere) and counts as cold for the no-hit LRU scorer."""
+
+from __future__ import annotations
+
+from kvmesh.router.endpoints import Endpoint
+from kvmesh.router.plugins import (
+    ApproxPrefixScorer,
+    NoHitLRUScorer,
+    PrecisePrefixScorer,
+    SchedulingRequest,
+    best_match_fraction,
+)
+
+
+class Index:
+    def __init__(self, hits: dict[str, float]) -> None:
+        self.hits = hits
+
+    def longest_match(self, keys, names):
+        return {n: h for n, h in self.hits.items() if n in names}
+
+
+def request(blocks: int = 10) -> SchedulingRequest:
+    return SchedulingRequest("r", None, [], list(range(blocks)), {})
+
+
+def endpoints() -> list[Endpoint]:
+    return [Endpoint("http://a"), Endpoint("http://b"), Endpoint("http://c")]
+
+
+def test_short_shared_match_is_not_followed() -> None:
+    eps = endpoints()
+    a, b, c = (e.name for e in eps)
+    shared = Index({a: 3, b: 3})  # 3 of 10 blocks: a system prompt every session shares
+    req = request()
+    assert PrecisePrefixScorer("p", shared, 0.5).score(req, eps) == {a: 0.0, b: 0.0, c: 0.0}
+    assert ApproxPrefixScorer("x", shared, 0.5).score(req, eps) == {a: 0.0, b: 0.0, c: 0.0}
+    assert best_match_fraction(req) == 0.3
+    lru = NoHitLRUScorer("n", threshold=0.5)
+    assert lru._cold(req) and set(lru.score(req, eps).values()) == {1.0, 0.5, 0.0}
+    # without a threshold the same request is warm and its holders score by fraction
+    req = request()
+    assert PrecisePrefixScorer("p", shared).score(req, eps) == {a: 0.3, b: 0.3, c: 0.0}
+    assert not NoHitLRUScorer("n")._cold(req)
+
+
+def test_long_match_is_followed() -> None:
+    eps = endpoints()
+    a, b, c = (e.name for e in eps)
+    req = request()
+    scores = PrecisePrefixScorer("p", Index({a: 8, b: 3}), 0.5).score(req, eps)
+    assert scores == {a: 0.8, b: 0.3, c: 0.0}
+    lru = NoHitLRUScorer("n", threshold=0.5)
+    assert not lru._cold(req) and set(lru.score(req, eps).values()) == {0.5}
