@@ -44,6 +44,8 @@ def test_quick_agentic_pd_bench(tmp_path):
         assert s["requests"] == requests and s["errors"] == 0, s["error_samples"]
         assert s["prefill_failed"] == 0
         assert s["ttft_ms_p50"] > 0 and s["itl_ms_p50"] > 0
+    # the routers followed the engines' KV events (the decode-first choice reads them)
+    assert not [n for n in data["notes"] if "precise index" in n], data["notes"]
     never, always, selective = (data[n]["disaggregated"] for n in ("never", "always", "selective"))
     assert never == 0
     assert always == requests

@@ -184,7 +184,10 @@ def run_configurations(
                         time_scale=scale,
                     )
                 )
-                legs = prefill_legs(router_metrics(url))
+                metrics = router_metrics(url)
+                legs = prefill_legs(metrics)
+                if not metrics.get('kvmesh_router_index_entries{index="precise"}'):
+                    notes.append(f"{config.name}: the router's precise index stayed empty")
             finally:
                 router.stop()
             summary["disaggregated"] = legs["ok"]

@@ -173,7 +173,10 @@ def plot(rows: dict[str, dict], title: str, path: Path) -> None:
         ax.legend(fontsize=7)
     ax = axes[3]
     for j, (key, label) in enumerate(
-        (("hit_rate", "hit rate"), ("disaggregated_fraction", "disaggregated"))
+        (
+            ("computed_fraction", "prompt tokens computed"),
+            ("disaggregated_fraction", "disaggregated"),
+        )
     ):
         ax.bar(
             [i + 0.4 * j for i in range(len(names))],
@@ -182,8 +185,8 @@ def plot(rows: dict[str, dict], title: str, path: Path) -> None:
             label=label,
         )
     ax.set_xticks([i + 0.2 for i in range(len(names))], names, fontsize=8)
-    ax.set(ylim=(0, 1.05), title="fraction")
-    ax.legend(fontsize=7)
+    ax.set(ylim=(0, 1.25), title="fraction of prompt tokens / of requests")
+    ax.legend(fontsize=7, loc="upper center", ncol=2)
     for a in axes:
         a.grid(alpha=0.3, axis="y")
     fig.suptitle(title, fontsize=9)
