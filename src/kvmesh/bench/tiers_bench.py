@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import time
 import urllib.request
@@ -35,6 +36,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-tier-gib", type=float, default=1.0, help="Host tier of `tiered`.")
     p.add_argument("--disk-tier-gib", type=float, default=1.0, help="Disk tier of `spilling`.")
     p.add_argument("--threads", type=int, default=0, help="Torch threads per engine (0: all).")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="Samples of the cheap rows (device, peer)."
+    )
     p.add_argument("--quick", action="store_true", help="CI-sized: a 400-token prompt.")
     p.add_argument("--out", default="bench-results/tiers", help="Folder for the JSON.")
 
@@ -100,11 +104,24 @@ def main(args: argparse.Namespace) -> int:
     puller = [*common, "--kv-peer-allowlist", f"127.0.0.1:{ports[0]}"]
     console = Console()
     rows: dict[str, dict] = {}
+    os.environ["KVMESH_DEV_MODE"] = "1"  # /reset_prefix_cache, to repeat the peer pull
 
-    def record(name: str, result: tuple[float, int, dict]) -> None:
+    def record(name: str, result: tuple[float, int, dict], samples=None) -> None:
         seconds, cached, moved = result
         rows[name] = {"ttft_s": round(seconds, 4), "cached_tokens": cached, "moved": moved}
+        if samples:
+            rows[name]["samples_s"] = [round(x, 4) for x in samples]
         console.print(f"{name:>10}: TTFT {seconds * 1000:9.1f} ms, {cached} tokens cached {moved}")
+
+    def repeated(fn) -> tuple[tuple[float, int, dict], list[float]]:
+        """The median sample of fn(), and every sample's TTFT."""
+        runs = sorted((fn() for _ in range(max(1, args.repeats))), key=lambda r: r[0])
+        return runs[len(runs) // 2], [r[0] for r in runs]
+
+    def pull_once(p_url: str, peer: str):
+        reset = urllib.request.Request(p_url + "/reset_prefix_cache", data=b"", method="POST")
+        urllib.request.urlopen(reset, timeout=60).close()  # the puller forgets the last pull
+        return _ttft(p_url, prompt, {PEER_HEADER: peer})
 
     with (
         http_load.EngineProcess(ports[0], tiered, out / "tiered.log") as t_url,
@@ -116,7 +133,7 @@ def main(args: argparse.Namespace) -> int:
         warm_up = _prompt_ids(t_url, 99, 32)  # first-request costs stay out of the figures
         _ttft(t_url, warm_up)
         record("recomputed", _ttft(t_url, prompt))
-        record("device", _ttft(t_url, prompt))
+        record("device", *repeated(lambda: _ttft(t_url, prompt)))
         for filler in fillers:
             _ttft(t_url, filler)
         record("host", _ttft(t_url, prompt))
@@ -124,7 +141,7 @@ def main(args: argparse.Namespace) -> int:
             _ttft(s_url, ids)
         record("disk", _ttft(s_url, prompt))
         _ttft(p_url, warm_up)
-        record("peer", _ttft(p_url, prompt, {PEER_HEADER: f"127.0.0.1:{ports[0]}"}))
+        record("peer", *repeated(lambda: pull_once(p_url, f"127.0.0.1:{ports[0]}")))
 
     table = Table(title=f"TTFT of a {args.prompt_tokens}-token prompt, SmolLM2-135M on this CPU")
     for col in ("prefix from", "TTFT", "vs recomputed", "cached tokens"):
