@@ -60,6 +60,23 @@ def test_discovered_event_source_of_a_rank() -> None:
     assert _rank_source(both, 1) == {"endpoint": "ipc:///x_dp1"}
 
 
+async def test_given_event_endpoints_are_reached_at_the_engine_host() -> None:
+    from kvmesh.router.events import EventIngest
+    from kvmesh.router.index import PreciseIndex
+
+    ingest = EventIngest(PreciseIndex(), None)
+    (rank1,) = [
+        e
+        for e in data_parallel_ranks(Endpoint("http://10.0.0.5:8000", kv_events="tcp://*:5557"), 2)
+        if e.dp_rank == 1
+    ]
+    assert (await ingest._discover(rank1))[0] == "tcp://10.0.0.5:5558"
+    named = Endpoint("http://10.0.0.5:8000", kv_events="tcp://10.0.0.9:5557")
+    assert (await ingest._discover(named))[0] == "bind:tcp://10.0.0.9:5557"
+    given = Endpoint("http://10.0.0.5:8000", kv_events="bind:tcp://*:6000")
+    assert (await ingest._discover(given))[0] == "bind:tcp://*:6000"
+
+
 async def _until(cond, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():

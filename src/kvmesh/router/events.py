@@ -80,10 +80,9 @@ class EventIngest:
 
     async def _discover(self, e: Endpoint) -> tuple[str, str | None, str]:
         """(sub endpoint, replay endpoint, topic) from the engine's /kv_event_sources."""
-        if e.kv_events != "auto":  # given: as a publisher would say it (bind unless wildcard)
-            ep = e.kv_events
-            bind = ep.startswith("bind:") or not publisher_binds(ep)
-            return ("bind:" + ep.removeprefix("bind:")) if bind else ep, None, ""
+        if e.kv_events != "auto":  # given as the publisher says it: tcp://*:5557 is reached
+            ep = e.kv_events  # at the endpoint's host; a named address is bound by the router
+            return ep if ep.startswith("bind:") else subscribe_address(ep, e.host), None, ""
         while True:
             try:
                 async with self.session.get(
