@@ -133,3 +133,35 @@ async def test_ranks_are_scheduled_pinned_and_indexed_apart(tokenizer, tmp_path)
         for pub in pubs:
             pub.close()
         engine.server.close()
+
+
+async def test_ranks_are_discovered_from_the_metrics_page(tokenizer) -> None:
+    for discover in (True, False):
+        engine = await Engine("ok").start()
+        engine.page = PAGE
+        cfg = RouterConfig(
+            [engine.url],
+            preset="round-robin",
+            kv_events=None,
+            scrape_interval=0.05,
+            discover_data_parallel=discover,
+        )
+        router = Router(cfg, tokenizer)
+        server = await start_router(router, "127.0.0.1", 0)
+        port = server.server.sockets[0].getsockname()[1]
+        eps = router.pool.endpoints
+        try:
+            await _until(lambda eps=eps: all(e.last_scrape for e in eps.values()))
+            if discover:
+                assert sorted(eps) == [f"{engine.url}#dp0", f"{engine.url}#dp1"]
+                assert [eps[n].waiting for n in sorted(eps)] == [1.0, 7.0]
+            else:
+                assert list(eps) == [engine.url] and eps[engine.url].waiting == 8.0
+            for i in range(2):
+                raw = await exchange(port, post("/v1/completions", {"prompt": f"p{i}"}))
+                assert raw.startswith(b"HTTP/1.1 200")
+            seen = sorted(h.get("x-data-parallel-rank", "-") for _, h, _ in engine.requests)
+            assert seen == (["0", "1"] if discover else ["-", "-"])
+        finally:
+            await server.cleanup()
+            engine.server.close()

@@ -49,6 +49,8 @@ class RouterConfig:
     approx_capacity_per_endpoint: int = 31_250
     first_byte_timeout: float = 600.0
     prefill_max_retries: int = 0  # P/D: prefill attempts beyond the first before falling back
+    # a server whose /metrics shows several engine="<rank>" series: one endpoint per rank
+    discover_data_parallel: bool = True
 
 
 class ChatFields(msgspec.Struct):
@@ -82,7 +84,11 @@ class Router:
         self.tokenize = needs_tokens(self.pipeline)
         endpoints = [Endpoint(u, kv_events=config.kv_events) for u in config.endpoints]
         self.pool = EndpointPool(
-            endpoints, config.scrape_interval, config.endpoints_file, on_removed=self._removed
+            endpoints,
+            config.scrape_interval,
+            config.endpoints_file,
+            on_removed=self._removed,
+            discover_data_parallel=config.discover_data_parallel,
         )
         self.metrics = RouterMetrics()
         self.session: aiohttp.ClientSession | None = None

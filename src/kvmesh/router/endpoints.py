@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,24 +65,26 @@ def data_parallel_ranks(base: Endpoint, size: int) -> list[Endpoint]:
     """One scheduling endpoint per data-parallel rank of a server (vLLM's internal load
     balancer): named ``<name>#dp<rank>``, pinned by the X-data-parallel-rank header, with the
     server's KV-event endpoint offset by the rank as vLLM offsets it."""
-    if size <= 1:
-        return [base]
+    return rank_endpoints(base, range(size)) if size > 1 else [base]
+
+
+def rank_endpoints(base: Endpoint, ranks) -> list[Endpoint]:
     out = []
-    for rank in range(size):
+    for rank in ranks:
         events = base.kv_events
         if events and events != "auto":
             events = offset_endpoint(events, rank)
-        out.append(
-            Endpoint(
-                base.url,
-                f"{base.name}#dp{rank}",
-                dict(base.labels),
-                base.models,
-                events,
-                dp_rank=rank,
-            )
-        )
+        name = f"{base.name}#dp{rank}"
+        out.append(Endpoint(base.url, name, dict(base.labels), base.models, events, dp_rank=rank))
     return out
+
+
+_ENGINE_LABEL = re.compile(r'^vllm:num_requests_(?:waiting|running)\{[^}]*engine="(\d+)"', re.M)
+
+
+def page_ranks(text: str) -> list[int]:
+    """The data-parallel ranks a vLLM /metrics page reports (its engine="<rank>" series)."""
+    return sorted({int(r) for r in _ENGINE_LABEL.findall(text)})
 
 
 def load_endpoints_file(path: str | Path) -> list[Endpoint]:
@@ -130,6 +133,7 @@ class EndpointPool:
         scrape_interval: float = 0.1,
         endpoints_file: str | None = None,
         on_removed=None,
+        discover_data_parallel: bool = True,
     ) -> None:
         self.endpoints: dict[str, Endpoint] = {e.name: e for e in endpoints}
         self.scrape_interval = scrape_interval
@@ -137,6 +141,7 @@ class EndpointPool:
         self.on_removed = on_removed or (lambda name: None)
         self.on_added = lambda endpoint: None
         self.on_lost = lambda name: None  # an endpoint failed LOST_AFTER checks in a row
+        self.discover_data_parallel = discover_data_parallel
         self._file_mtime = 0.0
         self._tasks: list[asyncio.Task] = []
         self._session: aiohttp.ClientSession | None = None
@@ -215,9 +220,28 @@ class EndpointPool:
                 if e.failures == LOST_AFTER:  # gone: what it cached is no longer to be counted on
                     self.on_lost(e.name)
             return
+        if self.discover_data_parallel and endpoints[0].dp_rank is None:
+            ranks = page_ranks(text)
+            if len(ranks) > 1:
+                endpoints = self._split(endpoints, ranks)
         for e in endpoints:
             if not e.healthy:
                 logger.info("endpoint %s healthy again", e.name)
             e.mark_success()
             e.waiting, e.running, e.kv_usage = parse_engine_load(rank_page(text, e.dp_rank))
             e.last_scrape = time.monotonic()
+
+    def _split(self, servers: tuple[Endpoint, ...], ranks: list[int]) -> list[Endpoint]:
+        """A server found to host several data-parallel ranks becomes one endpoint per rank."""
+        out: list[Endpoint] = []
+        for base in servers:
+            if self.endpoints.get(base.name) is not base:
+                continue
+            del self.endpoints[base.name]
+            self.on_removed(base.name)
+            for e in rank_endpoints(base, ranks):
+                self.endpoints[e.name] = e
+                self.on_added(e)
+                out.append(e)
+            logger.info("endpoint %s serves data-parallel ranks %s", base.name, ranks)
+        return out
