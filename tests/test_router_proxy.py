@@ -290,3 +290,26 @@ async def test_large_prompt_is_tokenized_off_the_event_loop(tokenizer) -> None:
         assert small.startswith(b"HTTP/1.1 200") and (await big).startswith(b"HTTP/1.1 200")
         assert max(overlaps) == 1
         assert threads == {True: "kvmesh-tokenize", False: threading.main_thread().name}
+
+
+async def test_idle_client_connections_are_closed(tokenizer) -> None:
+    from kvmesh.router.frontdoor import serve
+
+    engine = await Engine("ok").start()
+    router = Router(RouterConfig([engine.url], preset="round-robin", kv_events=None), tokenizer)
+    await router.start()
+    server = await serve(router, "127.0.0.1", 0, 1000, idle_timeout=0.1)
+    port = server.server.sockets[0].getsockname()[1]
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(post("/v1/completions", {"prompt": "x"}, close=False))
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 200") and b"Connection: close" not in head
+        idle, _ = await asyncio.open_connection("127.0.0.1", port)
+        assert await asyncio.wait_for(idle.read(), 10) == b""  # never sent a byte: closed
+        await asyncio.wait_for(reader.read(), 10)  # the answered one too, once idle
+        assert reader.at_eof()
+        writer.close()
+    finally:
+        await server.cleanup()
+        engine.server.close()

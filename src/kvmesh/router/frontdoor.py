@@ -51,6 +51,7 @@ class FrontDoor(asyncio.Protocol):
         self.sent_head = False  # the current answer's status line went out
         self.must_close = False
         self.closed = False
+        self.seen = True  # data came since the last idle sweep
         self._continued = False
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
@@ -73,6 +74,7 @@ class FrontDoor(asyncio.Protocol):
             self.upstream.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
+        self.seen = True
         self.buf += data
         if self.task is None:
             self._next()
@@ -97,7 +99,7 @@ class FrontDoor(asyncio.Protocol):
             else:
                 self.must_close = True
         finally:
-            self.task, self.upstream = None, None
+            self.task, self.upstream, self.seen = None, None, True
         if self.closed:
             return
         if self.must_close:
@@ -208,20 +210,37 @@ class RouterServer:
     router: Any  # kvmesh.router.app.Router
     server: asyncio.AbstractServer
     doors: set[FrontDoor]
+    sweeper: asyncio.Task | None = None
 
     async def cleanup(self) -> None:
         self.server.close()
+        if self.sweeper is not None:
+            self.sweeper.cancel()
         for door in list(self.doors):
             if door.transport is not None:
                 door.transport.close()
         await self.router.stop()
 
 
-async def serve(router: Any, host: str, port: int, max_body: int) -> RouterServer:
+async def _close_idle(doors: set[FrontDoor], every: float) -> None:
+    """Close client connections idle for a whole sweep interval (so after every..2*every
+    seconds): no request in progress, none finished and no byte received, a request head left
+    unfinished included."""
+    while True:
+        await asyncio.sleep(every)
+        for door in list(doors):
+            if door.task is None and not door.seen and door.transport is not None:
+                door.transport.close()
+            door.seen = False
+
+
+async def serve(
+    router: Any, host: str, port: int, max_body: int, idle_timeout: float = 75.0
+) -> RouterServer:
     """Listen on host:port; each connection's requests go to router.handle."""
     doors: set[FrontDoor] = set()
     loop = asyncio.get_running_loop()
     server = await loop.create_server(
         lambda: FrontDoor(router.handle, max_body, doors), host, port, backlog=1024
     )
-    return RouterServer(router, server, doors)
+    return RouterServer(router, server, doors, loop.create_task(_close_idle(doors, idle_timeout)))
