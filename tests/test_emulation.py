@@ -208,3 +208,16 @@ def test_time_scale_runs_the_emulated_clock_in_slow_motion(tokenizer):
         from kvmesh.engine.emulation.builder import EmulationConfig
 
         EmulationConfig(emulate_time_scale=0)
+
+
+def test_emulated_cards_get_vllm_api_server_batch_limits():
+    from kvmesh.engine.config import EngineConfig
+    from kvmesh.engine.emulation.builder import EmulationConfig, with_vllm_batch_defaults
+
+    h100 = with_vllm_batch_defaults(EngineConfig(), EmulationConfig(emulate_gpu="h100"))
+    assert (h100.max_num_batched_tokens, h100.max_num_seqs) == (8192, 1024)
+    a100 = with_vllm_batch_defaults(EngineConfig(), EmulationConfig(emulate_gpu="a100"))
+    assert (a100.max_num_batched_tokens, a100.max_num_seqs) == (2048, 256)
+    mine = EngineConfig(max_num_batched_tokens=4096, max_num_seqs=32)
+    kept = with_vllm_batch_defaults(mine, EmulationConfig(emulate_gpu="h200"))
+    assert (kept.max_num_batched_tokens, kept.max_num_seqs) == (4096, 32)

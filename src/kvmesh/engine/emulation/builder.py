@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvmesh.engine.builder import EngineBundle, assemble
 from kvmesh.engine.config import EngineConfig
@@ -71,9 +71,28 @@ class EmulationConfig:
         )
 
 
+def with_vllm_batch_defaults(config: EngineConfig, emu: EmulationConfig) -> EngineConfig:
+    """The batch limits vLLM's API server picks for the emulated card, where the flags were left
+    at kvmesh's own defaults (sized for a CPU): 8,192 batched tokens and 1,024 sequences on cards
+    with at least 70 GiB other than the A100, else 2,048 and 256. (An explicit flag equal to
+    kvmesh's default is indistinguishable from none.)"""
+    if emu.emulate_ttft_ms is not None:  # constant mode: a test's engine, keep what it asked
+        return config
+    base, gpu = EngineConfig(), ACCELERATORS[emu.emulate_gpu]  # vLLM asks the device its memory
+    large = gpu.memory_bytes >= 70 * 2**30 and emu.emulate_gpu not in ("a100", "cpu")
+    tokens, seqs = (8192, 1024) if large else (2048, 256)
+    changes = {}
+    if config.max_num_batched_tokens == base.max_num_batched_tokens:
+        changes["max_num_batched_tokens"] = tokens
+    if config.max_num_seqs == base.max_num_seqs:
+        changes["max_num_seqs"] = seqs
+    return replace(config, **changes) if changes else config
+
+
 def build_emulated_engine(
     config: EngineConfig, emu: EmulationConfig, tokenizer, tokenizer_name: str = "tokenizer"
 ) -> EngineBundle:
+    config = with_vllm_batch_defaults(config, emu)
     latency = emu.latency_model()
     spec = MODELS[emu.emulate_model]
     if config.num_gpu_blocks is not None:
