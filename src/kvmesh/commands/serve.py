@@ -6,15 +6,8 @@ import argparse
 import sys
 
 from kvmesh.commands.flags import config_from_args
-from kvmesh.commands.router import start_router_from
+from kvmesh.commands.router import start_router_from, wait_for_shutdown
 from kvmesh.engine.config import HASH_ALGOS, SCHEDULING_POLICIES, EngineConfig
-
-
-async def wait_for_shutdown() -> None:
-    from kvmesh.engine.server import wait_for_shutdown as wait
-
-    await wait()
-
 
 ENGINE_HELP = {
     "model": "Model to serve: a local Hugging Face directory (Llama, Qwen2, Qwen3) or 'default' "
