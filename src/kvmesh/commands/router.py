@@ -35,6 +35,10 @@ ROUTER_HELP = {
     "first_byte_timeout": "Seconds to wait for an endpoint's first byte.",
     "prefill_max_retries": "P/D: prefill attempts beyond the first before the decode endpoint "
     "prefills itself.",
+    "kv_peer_min_cached_token_delta": "Peer sharing: when another healthy endpoint caches at "
+    "least this many more leading prompt tokens than the chosen one (precise index, any tier), "
+    "name it in x-kv-cache-source-host-port so the chosen engine pulls those blocks instead of "
+    "computing them (engines need it in --kv-peer-allowlist); not on the P/D path. 0: off.",
 }
 
 

@@ -133,11 +133,14 @@ class PeerPuller:
             logger.warning("KV pull from peer %s failed (%s); computing instead", peer, exc)
             payload = None
         if payload is not None:
-            saved = await engine.call(lambda core: core.import_payload(probe, payload))
+
+            def load(core) -> tuple[int, float]:  # the delay read with its own import
+                return core.import_payload(probe, payload), core.last_import_seconds
+
+            saved, delay = await engine.call(load)
             outcome = "ok" if saved else "failed"
-            delay = engine.core.last_import_seconds
             if saved and delay > 0:  # an emulated link: the blocks take this long to arrive
-                await asyncio.sleep(delay)
+                await asyncio.sleep(delay * engine.time_scale)
         metrics.peer_pulls.labels(**metrics.labels, outcome=outcome).inc()
         if saved:
             metrics.peer_tokens.inc(saved)

@@ -20,6 +20,7 @@ from kvmesh.router.frontdoor import FrontDoor, Request, RouterServer, serve
 from kvmesh.router.index import ApproximateIndex, PreciseIndex
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.pd import prefill_remotely
+from kvmesh.router.peer_source import PEER_HEADER, PeerSource, PeerSourceConfig, select_source
 from kvmesh.router.pipeline import Pipeline, SchedulingResult
 from kvmesh.router.plugins import SchedulingRequest, needs_tokens, reads_precise_index
 from kvmesh.router.proxy import Exchange, Link, Upstream, UpstreamError
@@ -51,6 +52,13 @@ class RouterConfig:
     prefill_max_retries: int = 0  # P/D: prefill attempts beyond the first before falling back
     # a server whose /metrics shows several engine="<rank>" series: one endpoint per rank
     discover_data_parallel: bool = True
+    # peer sharing: name another endpoint as the chosen one's KV source when it holds at least
+    # this many more leading prompt tokens (precise index); 0: off
+    kv_peer_min_cached_token_delta: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kv_peer_min_cached_token_delta < 0:
+            raise ValueError("--kv-peer-min-cached-token-delta must be 0 (off) or positive")
 
 
 class ChatFields(msgspec.Struct):
@@ -90,6 +98,11 @@ class Router:
             on_removed=self._removed,
             discover_data_parallel=config.discover_data_parallel,
         )
+        self.peer_sources = (
+            PeerSourceConfig(config.kv_peer_min_cached_token_delta, config.block_size)
+            if config.kv_peer_min_cached_token_delta
+            else None
+        )
         self.metrics = RouterMetrics()
         self.session: aiohttp.ClientSession | None = None
         self.events: EventIngest | None = None
@@ -122,8 +135,9 @@ class Router:
         conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
         self.session = aiohttp.ClientSession(connector=conn, auto_decompress=False)
         self.events = EventIngest(self.precise_index, self.session)
-        # KV events feed the precise index only: a pipeline that never reads it skips them
-        subscribe = reads_precise_index(self.pipeline)
+        # KV events feed the precise index only: skipped when neither the pipeline nor peer
+        # source selection reads it
+        subscribe = reads_precise_index(self.pipeline) or self.peer_sources is not None
         if self.config.kv_events and subscribe:
             for e in self.pool.endpoints.values():
                 e.kv_events = e.kv_events or self.config.kv_events
@@ -265,25 +279,38 @@ class Router:
             tried.add(endpoint.name)
             if attempt:
                 self.metrics.retries.inc()
-            send = request.body
-            if result.prefill is not None:
+            send, source = request.body, None
+            if result.prefill is not None:  # P/D: the decode endpoint gets its KV from prefill
                 send = await prefill_remotely(self, request.path, send, req, result.prefill)
-            if await self._forward(door, request, send, req, endpoint):
+            elif self.peer_sources is not None:
+                candidates = self.pool.candidates()
+                source = select_source(
+                    self.precise_index, candidates, endpoint, req, self.peer_sources, tried
+                )
+            if await self._forward(door, request, send, req, endpoint, source):
                 return
         door.respond_error(
             503, "No healthy endpoint could serve the request.", "Retry-After: 1\r\n"
         )
 
     async def _forward(
-        self, door: FrontDoor, request: Request, body: bytes, req: SchedulingRequest, e: Endpoint
+        self,
+        door: FrontDoor,
+        request: Request,
+        body: bytes,
+        req: SchedulingRequest,
+        e: Endpoint,
+        source: PeerSource | None = None,
     ) -> bool:
         """Stream e's answer back: True once the client has it (whole, or broken mid-stream);
-        False when e failed before the first byte (try another)."""
+        False when e failed before the first byte (try another). `source`: the peer e pulls
+        the prefix it lacks from (named in the header llm-d's P2P flow uses)."""
         link = self.link(e)
         auth = request.headers.get("authorization")
+        peer = f"{PEER_HEADER}: {source.address}\r\n" if source else ""
         head = (
             f"POST {request.target} HTTP/1.1\r\n{link.headers}Content-Type: application/json\r\n"
-            f"X-Request-Id: {req.request_id}\r\nContent-Length: {len(body)}\r\n"
+            f"X-Request-Id: {req.request_id}\r\nContent-Length: {len(body)}\r\n{peer}"
             + (f"Authorization: {auth}\r\n\r\n" if auth else "\r\n")
         ).encode("latin-1")
         tokens = len(req.token_ids)
@@ -299,6 +326,9 @@ class Router:
                 self.metrics.count(e.name, f"http_{ex.status}")
                 return False
             self._record_decision(req, e)
+            if source is not None:
+                self.metrics.peer_sourced.labels(source.endpoint.name).inc()
+                self.metrics.peer_lead_tokens.inc(source.lead_tokens)
             await self._relay(door, e, ex, conn)
             return True
         finally:

@@ -38,6 +38,17 @@ class RouterMetrics:
         self.prompt_tokens = Counter(
             "kvmesh_router_prompt_tokens", "Prompt tokens routed.", registry=r
         )
+        self.peer_sourced = Counter(
+            "kvmesh_router_kv_peer_sourced_requests",
+            "Requests forwarded naming a peer endpoint (source) to pull their KV prefix from.",
+            ["source"],
+            registry=r,
+        )
+        self.peer_lead_tokens = Counter(
+            "kvmesh_router_kv_peer_lead_tokens",
+            "Prompt tokens the named sources were predicted to hold beyond the chosen endpoint.",
+            registry=r,
+        )
         self.index_entries = Gauge(
             "kvmesh_router_index_entries", "Entries in a prefix index.", ["index"], registry=r
         )

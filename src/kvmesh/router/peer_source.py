@@ -10,9 +10,15 @@ The chosen engine pulls the blocks it lacks and verifies them; a wrong name cost
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
+
+if TYPE_CHECKING:
+    from kvmesh.router.endpoints import Endpoint
+    from kvmesh.router.index import PreciseIndex
+    from kvmesh.router.plugins import SchedulingRequest
 
 PEER_HEADER = "x-kv-cache-source-host-port"
 
@@ -58,3 +64,40 @@ def source_headers(source_url: str | None) -> dict[str, str]:
     if not parts.hostname or parts.port is None:
         return {}
     return {PEER_HEADER: f"{parts.hostname}:{parts.port}"}
+
+
+@dataclass(slots=True, frozen=True)
+class PeerSource:
+    """The endpoint a request's KV prefix is pulled from: its host:port as the header names it,
+    and the leading prompt tokens it was predicted to hold beyond the chosen endpoint."""
+
+    endpoint: Endpoint
+    address: str
+    lead_tokens: int
+
+
+def select_source(
+    index: PreciseIndex,
+    candidates: Iterable[Endpoint],
+    chosen: Endpoint,
+    req: SchedulingRequest,
+    config: PeerSourceConfig,
+    exclude: Collection[str] = (),
+) -> PeerSource | None:
+    """The healthy endpoint `chosen` should pull the request's prefix from, or None. Any medium
+    counts, weighed as the precise scorer weighs it, so a lead held in lower tiers is
+    understated, never overstated. Endpoints in `exclude` (those that failed this request) and
+    other data-parallel ranks of the chosen server are not named."""
+    if not req.block_keys:
+        return None
+    others = {e.name: e for e in candidates if e.name not in exclude and e.url != chosen.url}
+    if not others:
+        return None
+    matched = index.longest_match(req.block_keys, [chosen.name, *others])
+    queue = {name: e.in_flight + int(e.waiting) for name, e in others.items()}
+    name = choose_peer_source(chosen.name, matched, config, queue)
+    address = source_headers(others[name].url).get(PEER_HEADER) if name else None
+    if name is None or address is None:  # no source, or its URL has no explicit port
+        return None
+    lead = (matched[name] - matched.get(chosen.name, 0.0)) * req.block_size
+    return PeerSource(others[name], address, int(lead))
