@@ -66,7 +66,17 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--serve-args",
         default="",
-        help="Extra `kvmesh serve` flags for the engines, e.g. '--num-gpu-blocks 100000'.",
+        help="Extra `kvmesh serve` flags for the engines, e.g. '--num-gpu-blocks 100000'; "
+        "{engines} stands for the engines' host:port list (e.g. '--kv-peer-allowlist {engines}').",
+    )
+    parser.add_argument(
+        "--router-variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="Also run a kvmesh router labelled NAME with these `kvmesh router` flags after its "
+        "--preset (kvmesh unless FLAGS set it), e.g. "
+        "'peer=--kv-peer-min-cached-token-delta 512'. Repeatable.",
     )
     parser.add_argument("--sglang-router-bin", default=None, help="sglang-router executable.")
     parser.add_argument("--vllm-router-bin", default=None, help="vllm-router executable.")
@@ -79,24 +89,30 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     cli_args.add_workload_args(parser)
 
 
-def _targets(spec: str) -> list[Target]:
+def _targets(spec: str, variants: list[str] = ()) -> list[Target]:
     out = []
     for item in (s.strip() for s in spec.split(",") if s.strip()):
         kind, _, policy = item.partition(":") if ":" in item else ("kvmesh", "", item)
         out.append(Target(kind, policy))
+    for variant in variants:
+        name, _, flags = variant.partition("=")
+        if not name.strip() or not flags.strip():
+            raise ValueError(f"--router-variant takes NAME=FLAGS, got {variant!r}")
+        out.append(Target("kvmesh", "kvmesh", tuple(flags.split()), name.strip()))
     return out
 
 
-def _event_base(n: int) -> int:
-    """A port P with P..P+2n-1 free (engine i publishes on P+2i, replays on P+2i+1)."""
+def _event_base(n: int, per_engine: int = 2) -> int:
+    """A port P with P..P+per_engine*n-1 free (engine i publishes on P+2i, replays on P+2i+1;
+    a third port each, from P+2n, for its HTTP server when the engines' ports are fixed)."""
     for _ in range(50):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             base = s.getsockname()[1]
-        if base + 2 * n > 65535:
+        if base + per_engine * n > 65535:
             continue
         try:
-            for p in range(base, base + 2 * n):
+            for p in range(base, base + per_engine * n):
                 with socket.socket() as s:
                     s.bind(("127.0.0.1", p))
             return base
@@ -106,7 +122,10 @@ def _event_base(n: int) -> int:
 
 
 def start_engines(args: argparse.Namespace, n: int, out: Path) -> tuple[Proc, list[str]]:
-    base = _event_base(n)
+    fixed = "{engines}" in args.serve_args  # the engines name each other: fix their ports
+    base = _event_base(n, 3 if fixed else 2)
+    http_base = base + 2 * n if fixed else 0
+    engines = ",".join(f"127.0.0.1:{http_base + i}" for i in range(n))
     events = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
@@ -127,7 +146,7 @@ def start_engines(args: argparse.Namespace, n: int, out: Path) -> tuple[Proc, li
         "--host",
         "127.0.0.1",
         "--port",
-        "0",
+        str(http_base),
         "--emulate-gpu",
         args.emulate_gpu,
         "--emulate-model",
@@ -136,7 +155,7 @@ def start_engines(args: argparse.Namespace, n: int, out: Path) -> tuple[Proc, li
         json.dumps(events),
         "--emulate-time-scale",
         str(args.emulate_time_scale),
-        *args.serve_args.split(),
+        *args.serve_args.replace("{engines}", engines).split(),
     ]
     proc = Proc(cmd, out / "engines.log")
     deadline = time.monotonic() + 300
@@ -184,6 +203,27 @@ def router_metrics(url: str) -> dict[str, float]:
             key, _, value = line.rpartition(" ")
             if "_created" not in key and "in_flight" not in key and "healthy" not in key:
                 out[key] = float(value)
+    return out
+
+
+def peer_pull_counters(urls: list[str]) -> dict[str, float]:
+    """Peer pulls by outcome and pulled tokens, summed over the engines (cumulative)."""
+    out: dict[str, float] = {}
+    for url in urls:
+        try:
+            with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+                text = resp.read().decode()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            key, _, value = line.rpartition(" ")
+            if key.startswith("kvmesh:kv_peer_pulls_total{"):
+                name = "pulls_" + key.split('outcome="', 1)[1].split('"', 1)[0]
+            elif key.startswith("kvmesh:kv_peer_pulled_tokens_total"):
+                name = "pulled_tokens"
+            else:
+                continue
+            out[name] = out.get(name, 0.0) + float(value)
     return out
 
 
@@ -261,7 +301,12 @@ def main(args: argparse.Namespace) -> int:
         "sglang": peer_bin("sglang", args.sglang_router_bin),
         "vllm": peer_bin("vllm", args.vllm_router_bin),
     }
-    for t in _targets(spec):
+    try:
+        chosen = _targets(spec, args.router_variant)
+    except ValueError as exc:
+        console.print(f"kvmesh bench fleet: {exc}")
+        return 2
+    for t in chosen:
         if t.kind != "kvmesh" and not bins.get(t.kind):
             skipped.append(f"{t.kind}:{t.policy} ({t.kind}-router not installed)")
         else:
@@ -291,10 +336,11 @@ def main(args: argparse.Namespace) -> int:
             console=console,
         ) as progress:
             for t in targets:
-                name = t.policy if t.kind == "kvmesh" else f"{t.kind}:{t.policy}"
+                name = t.name or (t.policy if t.kind == "kvmesh" else f"{t.kind}:{t.policy}")
                 for note in reset_caches(urls):
                     skipped.append(f"prefix cache not reset before {name}: {note}")
                 router, url = start_router(t, urls, [], bins, out)
+                pulls_before = peer_pull_counters(urls)
                 try:
                     rows[name] = asyncio.run(
                         loadgen.run_workload(
@@ -309,6 +355,8 @@ def main(args: argparse.Namespace) -> int:
                         )
                     )
                     rows[name]["router_metrics"] = rm = router_metrics(url)
+                    pulls = peer_pull_counters(urls)
+                    rows[name]["peer"] = {k: v - pulls_before.get(k, 0.0) for k, v in pulls.items()}
                     if (
                         t.kind == "kvmesh"
                         and t.policy in ("precise-prefix", "kvmesh")
@@ -325,6 +373,9 @@ def main(args: argparse.Namespace) -> int:
     for note in skipped:
         console.print(f"[yellow]note[/] {note}")
     console.print(loadgen.table(list(rows.items()), ceiling["hit_rate"], title))
+    for name, s in rows.items():
+        if any(s.get("peer", {}).values()):
+            console.print(f"peer pulls, {name}: {s['peer']}")
     result = {
         "title": title,
         "workload": desc,

@@ -28,9 +28,13 @@ class Target:
 
     kind: str
     policy: str
+    flags: tuple[str, ...] = ()  # extra `kvmesh router` flags (kvmesh only)
+    name: str = ""  # the label of a kvmesh router run with flags
 
     @property
     def label(self) -> str:
+        if self.name:
+            return f"kvmesh {self.name}"
         return (
             f"{self.kind}-router {self.policy}"
             if self.kind != "kvmesh"
@@ -139,7 +143,8 @@ def router_command(t: Target, urls: list[str], port: int, bins: dict[str, str | 
         cmd = [sys.executable, "-m", "kvmesh.cli", "--log-level", "WARNING", "router"]
         for u in urls:
             cmd += ["--endpoint", u]
-        return cmd + ["--host", "127.0.0.1", "--port", str(port), "--preset", t.policy]
+        cmd += ["--host", "127.0.0.1", "--port", str(port), "--preset", t.policy]
+        return cmd + list(t.flags)
     binary = bins[t.kind]
     assert binary is not None
     level = "warn" if t.kind == "sglang" else "warning"
@@ -153,7 +158,7 @@ def start_router(
     t: Target, urls: list[str], prefix: list[str], bins: dict[str, str | None], out: Path
 ) -> tuple[Proc, str]:
     port = free_port()
-    name = f"{t.kind}-{t.policy}-{len(urls)}".replace("_", "-")
+    name = f"{t.kind}-{t.name or t.policy}-{len(urls)}".replace("_", "-")
     proc = Proc([*prefix, *router_command(t, urls, port, bins)], out / f"router-{name}.log")
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
