@@ -43,3 +43,28 @@ def test_header_is_host_port():
 def test_bad_config_is_refused():
     with pytest.raises(ValueError):
         PeerSourceConfig(min_cached_token_delta=0)
+
+
+class FakeIndex:
+    def __init__(self, matched: dict[str, float]) -> None:
+        self.matched = matched
+
+    def longest_match(self, keys, endpoints):
+        return {e: m for e, m in self.matched.items() if e in set(endpoints)}
+
+
+def test_select_source_skips_failed_endpoints_and_ranks_of_the_chosen_server():
+    from kvmesh.router.endpoints import Endpoint
+    from kvmesh.router.peer_source import select_source
+    from kvmesh.router.plugins import SchedulingRequest
+
+    chosen = Endpoint("http://a:1", "a#dp0", dp_rank=0)
+    sibling = Endpoint("http://a:1", "a#dp1", dp_rank=1)
+    b, c = Endpoint("http://b:2"), Endpoint("http://c:3")
+    req = SchedulingRequest("r", None, list(range(320)), list(range(20)), {})
+    index = FakeIndex({"a#dp1": 20, "http://b:2": 12, "http://c:3": 10})
+    source = select_source(index, [chosen, sibling, b, c], chosen, req, CFG)
+    assert source is not None and source.address == "b:2" and source.lead_tokens == 192
+    source = select_source(index, [chosen, sibling, b, c], chosen, req, CFG, {"http://b:2"})
+    assert source is not None and source.endpoint is c
+    assert select_source(index, [chosen, sibling], chosen, req, CFG) is None
