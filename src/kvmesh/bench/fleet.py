@@ -20,7 +20,6 @@ import urllib.request
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvmesh.bench import cli_args, loadgen
 from kvmesh.bench.router_procs import URL_RE, Proc, Target, peer_bin, start_router
@@ -328,13 +327,7 @@ def main(args: argparse.Namespace) -> int:
     console.print(f"{title}; hit-rate ceiling {ceiling['hit_rate']:.3f}")
     rows: dict[str, dict] = {}
     try:
-        with Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=console,
-        ) as progress:
+        with loadgen.progress_bars(console) as progress:
             for t in targets:
                 name = t.name or (t.policy if t.kind == "kvmesh" else f"{t.kind}:{t.policy}")
                 for note in reset_caches(urls):

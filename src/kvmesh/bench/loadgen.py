@@ -182,6 +182,17 @@ async def run_workload(
     return summarize(records, wall, before, after, engines)
 
 
+def progress_bars(console: Console) -> Progress:
+    """The progress display of a load run: description, bar, done/total, elapsed."""
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    )
+
+
 def pct(values: list[float], q: float) -> float:
     """The q-th percentile (0..100), linearly interpolated; 0 for no values."""
     if not values:
@@ -262,6 +273,8 @@ def summarize(
         "ttft_ms_mean": round(sum(ms) / len(ms), 2) if ms else 0.0,
         "itl_ms_p50": round(pct(itl, 50), 2),
         "itl_ms_p90": round(pct(itl, 90), 2),
+        "itl_ms_p99": round(pct(itl, 99), 2),  # where prefill stalls in decode batches show
+        "itl_ms_max": round(max(itl), 2) if itl else 0.0,
         "e2e_ms_p50": round(pct(e2e, 50), 2),
         "e2e_ms_p90": round(pct(e2e, 90), 2),
         "load": load,
@@ -296,7 +309,7 @@ def _row(r: Record) -> list:
 def table(rows: list[tuple[str, dict]], ceiling: float, title: str) -> Table:
     """A rich table, one row per (name, summary)."""
     t = Table(title=f"{title}: hit-rate ceiling {ceiling:.3f} (infinite cache, one engine)")
-    cols = "policy|hit rate|of ceiling|TTFT p50|p90|p99|ITL p50|out tok/s|load max/mean|busy"
+    cols = "policy|hit rate|of ceiling|TTFT p50|p90|p99|ITL p50|p99|out tok/s|load max/mean|busy"
     for col in (cols + "|preempt|errors").split("|"):
         t.add_column(col, justify="left" if col == "policy" else "right")
     for name, s in rows:
@@ -307,6 +320,7 @@ def table(rows: list[tuple[str, dict]], ceiling: float, title: str) -> Table:
             f"{s['hit_rate'] / ceiling:.0%}" if ceiling else "-",
             *(f"{s[f'ttft_ms_p{q}']:.0f} ms" for q in (50, 90, 99)),
             f"{s['itl_ms_p50']:.1f} ms",
+            f"{s.get('itl_ms_p99', 0.0):.1f} ms",
             f"{s['output_tok_s']:.0f}",
             f"{s['load_max_mean']:.2f}",
             f"{busy:.0%}" if busy is not None else "-",
@@ -338,13 +352,7 @@ def main_workload(args: argparse.Namespace) -> int:
     engines = [u.strip().rstrip("/") for u in args.engine_metrics.split(",") if u.strip()]
     console = Console() if sys.stdout.isatty() else Console(width=170)
     console.print(f"{wl.kind}: {wl.describe()['requests']} requests against {args.url}")
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-    ) as progress:
+    with progress_bars(console) as progress:
         result = asyncio.run(
             run_workload(
                 args.url.rstrip("/"),

@@ -18,10 +18,9 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvmesh.bench import cli_args
+from kvmesh.bench import cli_args, loadgen
 from kvmesh.bench.pd_agentic import AGENTIC, AGENTIC_QUICK, run_configurations
 from kvmesh.bench.workloads import Request, Workload, hit_ceiling
 
@@ -101,13 +100,7 @@ def main(args: argparse.Namespace) -> int:
         + (f", slow motion x{scale:g}" if scale != 1 else "")
     )
     console.print(f"{title}; hit-rate ceiling {ceiling['hit_rate']:.3f}")
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-    ) as progress:
+    with loadgen.progress_bars(console) as progress:
         urls, rows, notes = run_configurations(
             args, wl, wl.kind, args.threshold, scale, out, progress
         )
