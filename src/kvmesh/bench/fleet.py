@@ -332,7 +332,11 @@ def main(args: argparse.Namespace) -> int:
                 name = t.name or (t.policy if t.kind == "kvmesh" else f"{t.kind}:{t.policy}")
                 for note in reset_caches(urls):
                     skipped.append(f"prefix cache not reset before {name}: {note}")
-                router, url = start_router(t, urls, [], bins, out)
+                try:
+                    router, url = start_router(t, urls, [], bins, out)
+                except RuntimeError as exc:  # one router that fails to start skips its row only
+                    skipped.append(f"{name}: did not start ({str(exc)[:200]})")
+                    continue
                 pulls_before = peer_pull_counters(urls)
                 try:
                     rows[name] = asyncio.run(
@@ -358,6 +362,8 @@ def main(args: argparse.Namespace) -> int:
                         skipped.append(
                             f"{name}: the router's precise index stayed empty (no KV events)"
                         )
+                except Exception as exc:  # a failing policy must not lose the others' rows
+                    skipped.append(f"{name}: failed ({type(exc).__name__}: {str(exc)[:200]})")
                 finally:
                     router.stop()
     finally:

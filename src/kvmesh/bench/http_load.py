@@ -91,7 +91,7 @@ async def first_model(http: aiohttp.ClientSession, url: str) -> str | None:
     async with http.get(f"{url}/v1/models") as resp:
         if resp.status != 200:
             return None
-        data = (await resp.json()).get("data") or []
+        data = (await resp.json(content_type=None)).get("data") or []  # some serve text/plain
         return data[0]["id"] if data else None
 
 
