@@ -27,7 +27,8 @@ BENCH_COMMANDS = {
     ),
     "pd": (
         "kvmesh.bench.pd_bench",
-        "Long prompts through 4 aggregated engines vs 2 prefill + 2 decode: TTFT, ITL, e2e.",
+        "P/D vs aggregated: long prompts, or agent sessions (--workload agentic) through "
+        "never / always / selective disaggregation: TTFT, ITL, e2e.",
     ),
     "fleet": (
         "kvmesh.bench.fleet",
