@@ -134,7 +134,7 @@ async def run_workload(
     async with aiohttp.ClientSession(
         timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
     ) as http:
-        model = await first_model(http, url)
+        model = await served_model(http, url, engines)
         before = await scrape_engines(http, engines)
         task = progress.add_task(label or wl.kind, total=len(wl.requests)) if progress else None
         done = {r.rid: asyncio.Event() for r in wl.requests}
@@ -180,6 +180,16 @@ async def run_workload(
         after = await scrape_engines(http, engines)
     records.sort(key=lambda x: x.rid)
     return summarize(records, wall, before, after, engines)
+
+
+async def served_model(http: aiohttp.ClientSession, url: str, engines: list[str]) -> str | None:
+    """The engines' model id when they answer (some routers list a placeholder such as
+    "unknown" of their own), else what `url` lists."""
+    for engine in engines[:1]:
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+            if model := await first_model(http, engine):
+                return model
+    return await first_model(http, url)
 
 
 def progress_bars(console: Console) -> Progress:
