@@ -67,7 +67,7 @@ def load_tokenizer(model: str | None):
     return AutoTokenizer.from_pretrained(path), path.name
 
 
-_PROBES = ("Hello world", "  two  spaces\n\nand tabs\t", "déjà vu 😀 42", "<|im_start|>x")
+PROBES = ("Hello world", "  two  spaces\n\nand tabs\t", "déjà vu 😀 42", "<|im_start|>x")
 
 
 def rust_backend(tokenizer):
@@ -81,7 +81,7 @@ def rust_backend(tokenizer):
     if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", False):
         backend = None  # the wrapper rewrites decoded text; the backend would not
     try:
-        for probe in _PROBES if backend is not None else ():
+        for probe in PROBES if backend is not None else ():
             for special in (False, True):
                 ids = tokenizer.encode(probe, add_special_tokens=special)
                 if backend.encode(probe, add_special_tokens=special).ids != ids:
