@@ -151,8 +151,11 @@ def test_router_names_the_holder_and_the_engine_pulls_from_it(fleet, smollm2):
         tokens = out["usage"]["prompt_tokens"]
         assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == (tokens - 1) // 16 * 16
         assert pulls(b)["ok"] == before["ok"] + 1
-        sourced = router.metrics.peer_sourced.labels(a_url)._value.get()
-        assert sourced == 1 and router.metrics.peer_lead_tokens._value.get() >= 64
+        counter = router.metrics.peer_sourced.labels(a_url)._value
+        deadline = time.monotonic() + 10  # counted on the router's loop, maybe after the reply
+        while counter.get() < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert counter.get() == 1 and router.metrics.peer_lead_tokens._value.get() >= 64
         b.engine.core.kv.pool.check_invariants()
 
 
