@@ -48,6 +48,26 @@ def test_quick_fleet_run(tmp_path: Path) -> None:
         assert abs(s["engine_hit_rate"] - s["hit_rate"]) < 0.02
 
 
+def test_engine_variant_reruns_policies_on_fresh_engines(tmp_path: Path) -> None:
+    """--engine-variant restarts the fleet with extra serve flags and labels its rows
+    POLICY@NAME; prompts go as token ids; each row keeps the engines' step timing."""
+    parser = argparse.ArgumentParser()
+    fleet.add_args(parser)
+    flags = "--kv-offloading-size 0.25"
+    args = ["--quick", "--policies", "kvmesh", "--prompt-format", "ids", "--engine-variant",
+            f"host={flags}", "--out", str(tmp_path)]  # fmt: skip
+    assert fleet.main(parser.parse_args(args)) == 0
+    result = json.loads((tmp_path / "fleet.json").read_text())
+    assert list(result["policies"]) == ["kvmesh", "kvmesh@host"]
+    assert result["engine_variants"] == {"host": flags}
+    assert (tmp_path / "engines-host.log").is_file()
+    for s in result["policies"].values():
+        assert s["errors"] == 0 and s["hit_rate"] > 0  # token-id prompts reuse their prefixes
+        assert s["timing"]["steps"] > 0
+    bad = parser.parse_args(["--engine-variant", "nameonly", "--out", str(tmp_path)])
+    assert fleet.main(bad) == 2
+
+
 def test_single_url_agentic_command(tmp_path: Path, tokenizer) -> None:
     from kvmesh.cli import build_parser
     from tests.conftest import emulated_fleet

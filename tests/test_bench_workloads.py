@@ -19,6 +19,18 @@ def test_vocabulary_words_are_single_tokens(tokenizer) -> None:
         assert len(tokenizer.encode(" " + word, add_special_tokens=False)) == 1, word
 
 
+def test_token_id_prompts_are_the_text_tokenized(tokenizer) -> None:
+    """--prompt-format ids sends what tokenizing " " + the prompt's text gives: same words,
+    same count, the same blocks wherever the text's blocks are equal."""
+    vocab = tokenizer.encode("".join(" " + v for v in w.VOCAB), add_special_tokens=False)
+    assert len(vocab) == len(w.VOCAB)
+    wl = w.agentic(sessions=2, turns=2, system_tokens=120, repo_tokens=200, seed=5)
+    for r in wl.requests[:4]:
+        ids = wl.token_ids(r, vocab)
+        assert len(ids) == r.prompt_tokens
+        assert ids == tokenizer.encode(" " + wl.text(r), add_special_tokens=False)
+
+
 def test_generators_are_deterministic_in_the_seed() -> None:
     for make in (w.agentic, w.shared_prefix):
         a, b, c = make(seed=3), make(seed=3), make(seed=4)

@@ -78,6 +78,14 @@ def add_workload_args(parser: argparse.ArgumentParser, kinds: tuple[str, ...] = 
         "flight at once; 0: open loop at the workload's arrival times [0].",
     )
     load.add_argument(
+        "--prompt-format",
+        choices=("text", "ids"),
+        default="text",
+        help="Send prompts as text (the router and engine tokenize them) or as token ids, as a "
+        "client that tokenizes itself does: the same tokens, without the tokenizing CPU, for "
+        "long-prompt replays on a small host [text].",
+    )
+    load.add_argument(
         "--request-timeout",
         type=float,
         default=600.0,

@@ -12,17 +12,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from rich.console import Console
 
 from kvmesh.bench import cli_args, loadgen
-from kvmesh.bench.router_procs import URL_RE, Proc, Target, peer_bin, start_router
+from kvmesh.bench.fleet_engines import (
+    engine_timing,
+    kv_move_counters,
+    reset_caches,
+    router_metrics,
+    start_engines,
+)
+from kvmesh.bench.router_procs import Target, peer_bin, start_router
 from kvmesh.bench.workloads import hit_ceiling
 
 POLICIES = "round-robin,random,load,approx-prefix,precise-prefix,kvmesh"
@@ -77,6 +80,15 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--preset (kvmesh unless FLAGS set it), e.g. "
         "'peer=--kv-peer-min-cached-token-delta 512'. Repeatable.",
     )
+    parser.add_argument(
+        "--engine-variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="Also run every policy over a fresh fleet whose engines take these extra `kvmesh "
+        "serve` flags after --serve-args; its rows are labelled POLICY@NAME, e.g. "
+        "'host=--kv-offloading-size 64' for the host tier on against off. Repeatable.",
+    )
     parser.add_argument("--sglang-router-bin", default=None, help="sglang-router executable.")
     parser.add_argument("--vllm-router-bin", default=None, help="vllm-router executable.")
     parser.add_argument("--out", default="bench-fleet", help="Output folder [bench-fleet].")
@@ -98,131 +110,6 @@ def _targets(spec: str, variants: list[str] = ()) -> list[Target]:
         if not name.strip() or not flags.strip():
             raise ValueError(f"--router-variant takes NAME=FLAGS, got {variant!r}")
         out.append(Target("kvmesh", "kvmesh", tuple(flags.split()), name.strip()))
-    return out
-
-
-def _event_base(n: int, per_engine: int = 2) -> int:
-    """A port P with P..P+per_engine*n-1 free (engine i publishes on P+2i, replays on P+2i+1;
-    a third port each, from P+2n, for its HTTP server when the engines' ports are fixed)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + per_engine * n > 65535:
-            continue
-        try:
-            for p in range(base, base + per_engine * n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free port range for KV events")
-
-
-def start_engines(args: argparse.Namespace, n: int, out: Path) -> tuple[Proc, list[str]]:
-    fixed = "{engines}" in args.serve_args  # the engines name each other: fix their ports
-    base = _event_base(n, 3 if fixed else 2)
-    http_base = base + 2 * n if fixed else 0
-    engines = ",".join(f"127.0.0.1:{http_base + i}" for i in range(n))
-    events = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"tcp://*:{base}",
-        "replay_endpoint": f"tcp://*:{base + 1}",
-    }
-    cmd = [
-        "env",
-        "KVMESH_DEV_MODE=1",
-        sys.executable,
-        "-m",
-        "kvmesh.cli",
-        "--log-level",
-        "WARNING",
-        "serve",
-        "--emulate",
-        str(n),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(http_base),
-        "--emulate-gpu",
-        args.emulate_gpu,
-        "--emulate-model",
-        args.emulate_model,
-        "--kv-events-config",
-        json.dumps(events),
-        "--emulate-time-scale",
-        str(args.emulate_time_scale),
-        *args.serve_args.replace("{engines}", engines).split(),
-    ]
-    proc = Proc(cmd, out / "engines.log")
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.popen.poll() is None:
-        urls = URL_RE.findall(proc.tail(100_000))
-        if len(urls) >= n:
-            return proc, urls[:n]
-        time.sleep(0.3)
-    proc.stop()
-    raise RuntimeError(f"emulated engines did not start:\n{proc.tail()}")
-
-
-def reset_caches(urls: list[str]) -> list[str]:
-    """POST /reset_prefix_cache on every engine (retried while busy); the ones that refused."""
-    failed = []
-    for url in urls:
-        for _ in range(40):
-            req = urllib.request.Request(f"{url}/reset_prefix_cache", b"", method="POST")
-            try:
-                with urllib.request.urlopen(req, timeout=10):
-                    break
-            except urllib.error.HTTPError as exc:
-                if exc.code != 503:
-                    failed.append(f"{url}: HTTP {exc.code}")
-                    break
-            except OSError as exc:
-                failed.append(f"{url}: {exc}")
-                break
-            time.sleep(0.25)
-        else:
-            failed.append(f"{url}: busy")
-    return failed
-
-
-def router_metrics(url: str) -> dict[str, float]:
-    """kvmesh router gauges and counters worth keeping (index sizes, predicted hits)."""
-    out: dict[str, float] = {}
-    try:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
-            text = resp.read().decode()
-    except OSError:
-        return out
-    for line in text.splitlines():
-        if line.startswith("kvmesh_router_") and not line.startswith("kvmesh_router_sched"):
-            key, _, value = line.rpartition(" ")
-            if "_created" not in key and "in_flight" not in key and "healthy" not in key:
-                out[key] = float(value)
-    return out
-
-
-def peer_pull_counters(urls: list[str]) -> dict[str, float]:
-    """Peer pulls by outcome and pulled tokens, summed over the engines (cumulative)."""
-    out: dict[str, float] = {}
-    for url in urls:
-        try:
-            with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
-                text = resp.read().decode()
-        except OSError:
-            continue
-        for line in text.splitlines():
-            key, _, value = line.rpartition(" ")
-            if key.startswith("kvmesh:kv_peer_pulls_total{"):
-                name = "pulls_" + key.split('outcome="', 1)[1].split('"', 1)[0]
-            elif key.startswith("kvmesh:kv_peer_pulled_tokens_total"):
-                name = "pulled_tokens"
-            else:
-                continue
-            out[name] = out.get(name, 0.0) + float(value)
     return out
 
 
@@ -272,8 +159,8 @@ def plot(result: dict, path: Path) -> None:
     engines = result["engines"]
     width = 0.8 / max(1, len(rows))
     for k, (name, s) in enumerate(rows.items()):
-        counts = [s["load"].get(u, 0) for u in engines]
-        c.bar([i + k * width for i in range(len(engines))], counts, width, label=name)
+        counts = list(s["load"].values())[: len(engines)]  # in its own fleet's engine order
+        c.bar([i + k * width for i in range(len(counts))], counts, width, label=name)
     c.set(xlabel="engine", ylabel="requests", title="requests per engine")
     c.set_xticks([i + 0.4 - width / 2 for i in range(len(engines))], range(len(engines)))
     for ax in (a, b, c):
@@ -283,6 +170,73 @@ def plot(result: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _engine_variants(specs: list[str]) -> list[tuple[str, str]]:
+    """('', '') for the base fleet, then (NAME, FLAGS) for each --engine-variant."""
+    out = [("", "")]
+    for spec in specs:
+        name, _, flags = spec.partition("=")
+        if not name.strip() or not flags.strip() or "@" in name:
+            raise ValueError(f"--engine-variant takes NAME=FLAGS, got {spec!r}")
+        out.append((name.strip(), flags.strip()))
+    return out
+
+
+def run_policies(
+    args: argparse.Namespace,
+    wl,
+    urls: list[str],
+    targets: list[Target],
+    bins: dict,
+    out: Path,
+    progress,
+    suffix: str = "",
+) -> tuple[dict[str, dict], list[str]]:
+    """The workload through a router per target over these engines: rows by label, and notes
+    on what went wrong (a router that failed keeps the others' rows)."""
+    rows: dict[str, dict] = {}
+    skipped: list[str] = []
+    for t in targets:
+        name = (t.name or (t.policy if t.kind == "kvmesh" else f"{t.kind}:{t.policy}")) + suffix
+        for note in reset_caches(urls):
+            skipped.append(f"prefix cache not reset before {name}: {note}")
+        try:
+            router, url = start_router(t, urls, [], bins, out)
+        except RuntimeError as exc:  # one router that fails to start skips its row only
+            skipped.append(f"{name}: did not start ({str(exc)[:200]})")
+            continue
+        pulls_before, timing_before = kv_move_counters(urls), engine_timing(urls)
+        try:
+            row = asyncio.run(
+                loadgen.run_workload(
+                    url,
+                    wl,
+                    concurrency=args.concurrency,
+                    engines=urls,
+                    label=name,
+                    progress=progress,
+                    timeout_s=args.request_timeout,
+                    time_scale=args.time_scale_used,
+                    prompt_format=args.prompt_format,
+                )
+            )
+            row["router_metrics"] = rm = router_metrics(url)
+            pulls, timing = kv_move_counters(urls), engine_timing(urls)
+            row["kv_moves"] = {k: v - pulls_before.get(k, 0.0) for k, v in pulls.items()}
+            row["timing"] = {k: v - timing_before.get(k, 0) for k, v in timing.items()}
+            rows[name] = row
+            if (
+                t.kind == "kvmesh"
+                and t.policy in ("precise-prefix", "kvmesh")
+                and not rm.get('kvmesh_router_index_entries{index="precise"}')
+            ):
+                skipped.append(f"{name}: the router's precise index stayed empty (no KV events)")
+        except Exception as exc:  # a failing policy must not lose the others' rows
+            skipped.append(f"{name}: failed ({type(exc).__name__}: {str(exc)[:200]})")
+        finally:
+            router.stop()
+    return rows, skipped
 
 
 def main(args: argparse.Namespace) -> int:
@@ -302,6 +256,7 @@ def main(args: argparse.Namespace) -> int:
     }
     try:
         chosen = _targets(spec, args.router_variant)
+        variants = _engine_variants(args.engine_variant)
     except ValueError as exc:
         console.print(f"kvmesh bench fleet: {exc}")
         return 2
@@ -310,76 +265,63 @@ def main(args: argparse.Namespace) -> int:
             skipped.append(f"{t.kind}:{t.policy} ({t.kind}-router not installed)")
         else:
             targets.append(t)
-    engines_proc, urls = None, [u.strip().rstrip("/") for u in args.endpoints.split(",") if u]
-    scale = 1.0 if urls else args.emulate_time_scale  # real endpoints run in real time
+    given = [u.strip().rstrip("/") for u in args.endpoints.split(",") if u]
+    if given and args.engine_variant:
+        console.print("kvmesh bench fleet: --engine-variant needs engines it starts")
+        return 2
+    scale = args.time_scale_used = 1.0 if given else args.emulate_time_scale  # real: real time
     if not scale > 0:
         console.print("kvmesh bench fleet: --emulate-time-scale must be positive")
         return 2
-    if not urls:
-        console.print(f"starting {n} emulated engines ({args.emulate_model} on {args.emulate_gpu})")
-        engines_proc, urls = start_engines(args, n, out)
     desc = wl.describe()
     mode = f"closed loop, {args.concurrency} sessions" if args.concurrency else "open loop"
     title = (
         f"{wl.kind}: {desc['requests']} requests, {desc['sessions']} sessions, {mode}, "
-        f"{len(urls)} engines" + (f", slow motion x{scale:g}" if scale != 1 else "")
+        f"{len(given) or n} engines"
+        + (f", slow motion x{scale:g}" if scale > 1 else "")
+        + (f", fast motion x{1 / scale:g}" if scale < 1 else "")
     )
     console.print(f"{title}; hit-rate ceiling {ceiling['hit_rate']:.3f}")
     rows: dict[str, dict] = {}
-    try:
-        with loadgen.progress_bars(console) as progress:
-            for t in targets:
-                name = t.name or (t.policy if t.kind == "kvmesh" else f"{t.kind}:{t.policy}")
-                for note in reset_caches(urls):
-                    skipped.append(f"prefix cache not reset before {name}: {note}")
-                try:
-                    router, url = start_router(t, urls, [], bins, out)
-                except RuntimeError as exc:  # one router that fails to start skips its row only
-                    skipped.append(f"{name}: did not start ({str(exc)[:200]})")
-                    continue
-                pulls_before = peer_pull_counters(urls)
-                try:
-                    rows[name] = asyncio.run(
-                        loadgen.run_workload(
-                            url,
-                            wl,
-                            concurrency=args.concurrency,
-                            engines=urls,
-                            label=name,
-                            progress=progress,
-                            timeout_s=args.request_timeout,
-                            time_scale=scale,
-                        )
-                    )
-                    rows[name]["router_metrics"] = rm = router_metrics(url)
-                    pulls = peer_pull_counters(urls)
-                    rows[name]["peer"] = {k: v - pulls_before.get(k, 0.0) for k, v in pulls.items()}
-                    if (
-                        t.kind == "kvmesh"
-                        and t.policy in ("precise-prefix", "kvmesh")
-                        and not rm.get('kvmesh_router_index_entries{index="precise"}')
-                    ):
-                        skipped.append(
-                            f"{name}: the router's precise index stayed empty (no KV events)"
-                        )
-                except Exception as exc:  # a failing policy must not lose the others' rows
-                    skipped.append(f"{name}: failed ({type(exc).__name__}: {str(exc)[:200]})")
-                finally:
-                    router.stop()
-    finally:
-        if engines_proc is not None:
-            engines_proc.stop()
+    urls = given
+    with loadgen.progress_bars(console) as progress:
+        for variant, flags in variants:
+            engines_proc = None
+            if not given:
+                label = f" ({variant}: {flags})" if variant else ""
+                console.print(
+                    f"starting {n} emulated engines ({args.emulate_model} on "
+                    f"{args.emulate_gpu}){label}"
+                )
+                log = f"engines-{variant}.log" if variant else "engines.log"
+                engines_proc, urls = start_engines(args, n, out, flags, log)
+            try:
+                got, notes = run_policies(
+                    args, wl, urls, targets, bins, out, progress, f"@{variant}" if variant else ""
+                )
+                rows.update(got)
+                skipped.extend(notes)
+            finally:
+                if engines_proc is not None:
+                    engines_proc.stop()
     for note in skipped:
         console.print(f"[yellow]note[/] {note}")
     console.print(loadgen.table(list(rows.items()), ceiling["hit_rate"], title))
     for name, s in rows.items():
-        if any(s.get("peer", {}).values()):
-            console.print(f"peer pulls, {name}: {s['peer']}")
+        if any(s.get("kv_moves", {}).values()):
+            console.print(f"KV moved, {name}: {s['kv_moves']}")
+        behind = s.get("timing", {}).get("timeline_restarts")
+        if behind:
+            console.print(
+                f"[yellow]note[/] {name}: engines fell behind their step timeline {behind:g} "
+                f"times in {s['timing'].get('steps', 0):g} steps (host too busy for this pace)"
+            )
     result = {
         "title": title,
         "workload": desc,
         "ceiling": ceiling,
         "engines": urls,
+        "engine_variants": dict(variants[1:]),
         "concurrency": args.concurrency,
         "time_scale": scale,
         "skipped": skipped,

@@ -24,7 +24,7 @@ from rich.table import Table
 
 from kvmesh.bench import cli_args
 from kvmesh.bench.http_load import first_model
-from kvmesh.bench.workloads import Request, Workload, hit_ceiling
+from kvmesh.bench.workloads import VOCAB, Request, Workload, hit_ceiling
 
 ENDPOINT_HEADER = "x-kvmesh-endpoint"
 COUNTERS = {  # engine /metrics counters read before and after a run
@@ -54,7 +54,7 @@ async def send(
     http: aiohttp.ClientSession,
     url: str,
     model: str | None,
-    text: str,
+    text: str | list[int],
     r: Request,
     t0: float,
     scale: float = 1.0,
@@ -123,6 +123,7 @@ async def run_workload(
     progress: Progress | None = None,
     timeout_s: float = 600.0,
     time_scale: float = 1.0,
+    prompt_format: str = "text",
 ) -> dict:
     """Every request of `wl` against `url`; a request starts once its deps have finished and its
     delay has passed. Open loop (concurrency 0): each session starts at its arrival time. Closed
@@ -135,6 +136,10 @@ async def run_workload(
         timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
     ) as http:
         model = await served_model(http, url, engines)
+        prompt = wl.text
+        if prompt_format == "ids":
+            vocab = await vocab_token_ids(http, engines[0] if engines else url, model)
+            prompt = lambda r: wl.token_ids(r, vocab)  # noqa: E731
         before = await scrape_engines(http, engines)
         task = progress.add_task(label or wl.kind, total=len(wl.requests)) if progress else None
         done = {r.rid: asyncio.Event() for r in wl.requests}
@@ -147,7 +152,7 @@ async def run_workload(
                 await done[d].wait()
             if r.delay > 0:
                 await asyncio.sleep(r.delay * scale)
-            rec = await send(http, url, model, wl.text(r), r, t0, scale)
+            rec = await send(http, url, model, prompt(r), r, t0, scale)
             records.append(rec)
             done[r.rid].set()
             tally[0] += bool(rec.error)
@@ -180,6 +185,19 @@ async def run_workload(
         after = await scrape_engines(http, engines)
     records.sort(key=lambda x: x.rid)
     return summarize(records, wall, before, after, engines)
+
+
+async def vocab_token_ids(http: aiohttp.ClientSession, url: str, model: str | None) -> list[int]:
+    """Each VOCAB word's token id with a leading space, from the engine's /tokenize."""
+    body = {"prompt": "".join(f" {w}" for w in VOCAB), "add_special_tokens": False}
+    if model:
+        body["model"] = model
+    async with http.post(f"{url}/tokenize", json=body) as resp:
+        resp.raise_for_status()
+        ids = (await resp.json())["tokens"]
+    if len(ids) != len(VOCAB):
+        raise RuntimeError(f"{url}/tokenize: the workload's words are not one token each")
+    return ids
 
 
 async def served_model(http: aiohttp.ClientSession, url: str, engines: list[str]) -> str | None:
@@ -372,6 +390,7 @@ def main_workload(args: argparse.Namespace) -> int:
                 label=wl.kind,
                 progress=progress,
                 timeout_s=args.request_timeout,
+                prompt_format=args.prompt_format,
             )
         )
     ceiling = hit_ceiling(wl.requests)

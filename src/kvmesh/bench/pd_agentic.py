@@ -24,7 +24,7 @@ import yaml
 from rich.progress import Progress
 
 from kvmesh.bench import loadgen
-from kvmesh.bench.fleet import reset_caches, router_metrics, start_engines
+from kvmesh.bench.fleet_engines import reset_caches, router_metrics, start_engines
 from kvmesh.bench.router_procs import Proc, free_port
 from kvmesh.bench.workloads import Workload
 

@@ -60,6 +60,9 @@ class Workload:
     def text(self, request: Request) -> str:
         return prompt_text(request.prompt, self.seed)
 
+    def token_ids(self, request: Request, vocab_ids: list[int]) -> list[int]:
+        return prompt_token_ids(request.prompt, self.seed, vocab_ids)
+
     def describe(self) -> dict:
         tokens = [r.prompt_tokens for r in self.requests]
         return {
@@ -83,6 +86,19 @@ def segment_words(key: str, length: int, seed: int) -> str:
 
 def prompt_text(prompt: tuple[Seg, ...], seed: int) -> str:
     return " ".join(segment_words(k, n, seed) for k, n in prompt if n > 0)
+
+
+@lru_cache(maxsize=8192)
+def segment_vocab_indices(key: str, length: int, seed: int) -> tuple[int, ...]:
+    """The VOCAB indices of `segment_words(key, length, seed)`: the same draws."""
+    rng = random.Random(f"{seed}|{key}")
+    return tuple(rng.choices(range(len(VOCAB)), k=length))
+
+
+def prompt_token_ids(prompt: tuple[Seg, ...], seed: int, vocab_ids: list[int]) -> list[int]:
+    """The prompt as token ids, each word its leading-space token (`vocab_ids[i]` for VOCAB[i]):
+    what a client that tokenized the prompt itself sends, at the same length as its text."""
+    return [vocab_ids[i] for k, n in prompt if n > 0 for i in segment_vocab_indices(k, n, seed)]
 
 
 def hit_ceiling(requests: list[Request], block_size: int = 16) -> dict:
