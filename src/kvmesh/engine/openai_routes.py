@@ -106,6 +106,18 @@ async def _stream(
     return resp
 
 
+def _envelope(rid: str, obj: str, created: int, model: str) -> dict:
+    """The fields every completion body and chunk starts with."""
+    return {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "system_fingerprint": FINGERPRINT,
+        "choices": [],
+    }
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     serving: OpenAIServing = request.app[SERVING]
     req: CompletionRequest = decode_request(await request.read(), CompletionRequest)
@@ -125,14 +137,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     await _transfer(serving, reqs[0], req.kv_transfer_params)
 
     def chunk(choice: Choice | None, out) -> dict:
-        body = {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": name,
-            "system_fingerprint": FINGERPRINT,
-            "choices": [],
-        }
+        body = _envelope(rid, "text_completion", created, name)
         if choice is not None:
             c = {
                 "index": choice.index,
@@ -155,12 +160,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         serving.accumulate(choices[i], out)
     _raise_errors(choices)
     body = {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": name,
-        "system_fingerprint": FINGERPRINT,
-        "choices": [],
+        **_envelope(rid, "text_completion", created, name),
         "usage": serving.usage(choices),
         "kv_transfer_params": choices[0].kv_transfer_params,
     }
@@ -196,14 +196,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     await _transfer(serving, reqs[0], req.kv_transfer_params)
 
     def chunk(choice: Choice | None, out) -> dict:
-        body = {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": name,
-            "system_fingerprint": FINGERPRINT,
-            "choices": [],
-        }
+        body = _envelope(rid, "chat.completion.chunk", created, name)
         if choice is not None:
             c = {
                 "index": 0,
@@ -222,11 +215,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         role = {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": name,
-            "system_fingerprint": FINGERPRINT,
+            **_envelope(rid, "chat.completion.chunk", created, name),
             "choices": [
                 {
                     "index": 0,
@@ -244,11 +233,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     _raise_errors(choices)
     c = choices[0]
     body = {
-        "id": rid,
-        "object": "chat.completion",
-        "created": created,
-        "model": name,
-        "system_fingerprint": FINGERPRINT,
+        **_envelope(rid, "chat.completion", created, name),
         "choices": [
             {
                 "index": 0,
