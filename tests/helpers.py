@@ -1,11 +1,18 @@
-"""Small test utilities: free loopback ports and a plain HTTP client."""
+"""Small test utilities: free loopback ports, a plain HTTP client and a background event loop."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import socket
+import threading
 import urllib.error
 import urllib.request
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -25,3 +32,30 @@ def http(url: str, body: bytes | dict | None = None, headers: dict | None = None
             return resp.status, dict(resp.headers), resp.read()
     except urllib.error.HTTPError as err:
         return err.code, dict(err.headers), err.read()
+
+
+@contextlib.contextmanager
+def loop_thread(start: Callable[[], Awaitable[T]], stop: Callable[[T], Awaitable[None]]):
+    """Runs `await start()` on a fresh event loop in a daemon thread and yields (its result,
+    the loop); on exit runs `await stop(result)` on that loop, then stops the thread."""
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    state: dict = {}
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        try:
+            state["value"] = loop.run_until_complete(start())
+        finally:
+            ready.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert ready.wait(60) and "value" in state, "the background loop did not start"
+    try:
+        yield state["value"], loop
+    finally:
+        asyncio.run_coroutine_threadsafe(stop(state["value"]), loop).result(timeout=30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)

@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import json
 import tempfile
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -16,7 +15,7 @@ from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.emulation.builder import EmulationConfig
 from kvmesh.engine.emulation.host import EmulatedFleet
 from kvmesh.router.app import Router, RouterConfig, start_router
-from tests.helpers import free_port, http
+from tests.helpers import free_port, http, loop_thread
 
 
 @contextlib.contextmanager
@@ -35,14 +34,10 @@ def stack(tokenizer, n: int = 3, preset: str = "kvmesh", events: bool = True, **
             }
         )
     fleet = EmulatedFleet(EngineConfig(**engine_kw), EmulationConfig(**emu), tokenizer, n)
-    loop = asyncio.new_event_loop()
-    ready = threading.Event()
-    state: dict = {}
     port = free_port()
 
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        urls = loop.run_until_complete(fleet.start("127.0.0.1", 0))
+    async def start() -> tuple:
+        urls = await fleet.start("127.0.0.1", 0)
         config = RouterConfig(
             endpoints=urls,
             preset=preset,
@@ -50,21 +45,14 @@ def stack(tokenizer, n: int = 3, preset: str = "kvmesh", events: bool = True, **
             scrape_interval=0.05,
         )
         router = Router(config, tokenizer)
-        state["runner"] = loop.run_until_complete(start_router(router, "127.0.0.1", port))
-        state["router"], state["urls"] = router, urls
-        ready.set()
-        loop.run_forever()
+        return router, await start_router(router, "127.0.0.1", port)
 
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert ready.wait(60)
-    try:
-        yield f"http://127.0.0.1:{port}", state["router"], fleet, loop
-    finally:
-        asyncio.run_coroutine_threadsafe(state["runner"].cleanup(), loop).result(timeout=30)
-        asyncio.run_coroutine_threadsafe(fleet.stop(), loop).result(timeout=30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
+    async def stop(state: tuple) -> None:
+        await state[1].cleanup()
+        await fleet.stop()
+
+    with loop_thread(start, stop) as ((router, _), loop):
+        yield f"http://127.0.0.1:{port}", router, fleet, loop
 
 
 def chat(url: str, messages: list[dict], **extra) -> tuple[int, dict, dict]:

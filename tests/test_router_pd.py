@@ -3,11 +3,9 @@ between emulated engines, the threshold, and the fallback when prefill fails."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import tempfile
-import threading
 from pathlib import Path
 
 import yaml
@@ -16,7 +14,7 @@ from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.emulation.builder import EmulationConfig
 from kvmesh.engine.emulation.host import EmulatedFleet
 from kvmesh.router.app import Router, RouterConfig, start_router
-from tests.helpers import free_port, http
+from tests.helpers import free_port, http, loop_thread
 
 PD_CONFIG = """
 plugins:
@@ -44,14 +42,10 @@ def pd_stack(tokenizer, prefill_faults: dict | None = None):
     )
     emu = EmulationConfig(emulate_ttft_ms=30.0, emulate_itl_ms=5.0)
     fleet = EmulatedFleet(engine, emu, tokenizer, 3)
-    loop = asyncio.new_event_loop()
-    ready = threading.Event()
-    state: dict = {}
     port = free_port()
 
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        urls = loop.run_until_complete(fleet.start("127.0.0.1", 0))
+    async def start() -> tuple:
+        urls = await fleet.start("127.0.0.1", 0)
         roles = ["prefill", "decode", "decode"]
         (tmp / "endpoints.yaml").write_text(
             yaml.safe_dump(
@@ -68,23 +62,16 @@ def pd_stack(tokenizer, prefill_faults: dict | None = None):
             kv_events=None,
         )
         router = Router(config, tokenizer)
-        state["runner"] = loop.run_until_complete(start_router(router, "127.0.0.1", port))
-        state.update(router=router, urls=urls)
-        ready.set()
-        loop.run_forever()
+        return router, await start_router(router, "127.0.0.1", port), urls
 
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert ready.wait(60)
-    if prefill_faults:
-        http(state["urls"][0] + "/admin/faults", prefill_faults)
-    try:
-        yield f"http://127.0.0.1:{port}", state["router"], fleet, state["urls"]
-    finally:
-        asyncio.run_coroutine_threadsafe(state["runner"].cleanup(), loop).result(timeout=30)
-        asyncio.run_coroutine_threadsafe(fleet.stop(), loop).result(timeout=30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
+    async def stop(state: tuple) -> None:
+        await state[1].cleanup()
+        await fleet.stop()
+
+    with loop_thread(start, stop) as ((router, _, urls), _loop):
+        if prefill_faults:
+            http(urls[0] + "/admin/faults", prefill_faults)
+        yield f"http://127.0.0.1:{port}", router, fleet, urls
 
 
 def served(fleet, i: int) -> int:

@@ -4,10 +4,8 @@ the engine pulls the blocks (same output as the holder's), without it nothing is
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
-import threading
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -16,7 +14,7 @@ import pytest
 
 from kvmesh.router.app import Router, RouterConfig, start_router
 from tests.conftest import engine_server
-from tests.helpers import free_port, http
+from tests.helpers import free_port, http, loop_thread
 
 # every request goes to the engine labelled "b", whatever the other holds
 ONLY_B = """
@@ -42,28 +40,17 @@ def events_config(folder: Path, name: str) -> str:
 
 @contextlib.contextmanager
 def running_router(config: RouterConfig, tokenizer):
-    loop = asyncio.new_event_loop()
-    ready = threading.Event()
-    state: dict = {}
     port = free_port()
 
-    def run() -> None:
-        asyncio.set_event_loop(loop)
+    async def start() -> tuple:
         router = Router(config, tokenizer)
-        state["runner"] = loop.run_until_complete(start_router(router, "127.0.0.1", port))
-        state["router"] = router
-        ready.set()
-        loop.run_forever()
+        return router, await start_router(router, "127.0.0.1", port)
 
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert ready.wait(60)
-    try:
-        yield f"http://127.0.0.1:{port}", state["router"]
-    finally:
-        asyncio.run_coroutine_threadsafe(state["runner"].cleanup(), loop).result(timeout=30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
+    async def stop(state: tuple) -> None:
+        await state[1].cleanup()
+
+    with loop_thread(start, stop) as ((router, _), _loop):
+        yield f"http://127.0.0.1:{port}", router
 
 
 @pytest.fixture(scope="module")
