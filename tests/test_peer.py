@@ -50,9 +50,10 @@ def pulls(bundle, outcome: str) -> float:
 @pytest.fixture(scope="module")
 def peers(smollm2):
     # the source keeps a small device cache over a host tier: blocks it serves may sit there
-    with engine_server(
-        smollm2, num_gpu_blocks=24, max_model_len=384, kv_offloading_size=0.05
-    ) as (src_url, src):
+    with engine_server(smollm2, num_gpu_blocks=24, max_model_len=384, kv_offloading_size=0.05) as (
+        src_url,
+        src,
+    ):
         netloc = urlsplit(src_url).netloc
         with engine_server(smollm2, kv_peer_allowlist=netloc) as (url, puller):
             yield src_url, src, url, puller, netloc
@@ -106,9 +107,9 @@ def test_corrupted_blocks_fall_back_to_recompute(peers, monkeypatch):
     honest = core.export_prefix
 
     def corrupt(hashes, first):
-        payload = bytearray(honest(hashes, first))
+        payload = bytearray(b"".join(honest(hashes, first)))
         payload[-100] ^= 0xFF  # one flipped byte of KV on the wire
-        return bytes(payload)
+        return [bytes(payload)]
 
     monkeypatch.setattr(core, "export_prefix", corrupt)
     failed = pulls(puller, "failed")

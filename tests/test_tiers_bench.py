@@ -20,11 +20,15 @@ def test_quick_tiers_bench(tmp_path):
     n = data["settings"]["prompt_tokens"]
     full = (n - 1) // 16 * 16
     assert data["recomputed"]["cached_tokens"] == 0
-    for name in ("device", "host", "disk", "peer"):
+    for name in ("device", "host", "disk", "peer", "peer_shm"):
         assert data[name]["cached_tokens"] == full, name
         assert data[name]["ttft_s"] > 0
     # each row's tokens came from where its name says
     assert data["device"]["moved"] == {}
     assert data["host"]["moved"] == {"kvmesh:kv_offload_hits_total[CPU]": full}
     assert data["disk"]["moved"].get("kvmesh:kv_offload_hits_total[DISK]", 0) >= full - 4 * 16
-    assert data["peer"]["moved"] == {"kvmesh:kv_peer_pulled_tokens_total": full}
+    for name, transport in (("peer", "tcp"), ("peer_shm", "shm")):
+        assert data[name]["moved"] == {
+            "kvmesh:kv_peer_pulled_tokens_total": full,
+            f"kvmesh:kv_peer_transfers_total[{transport}/ok]": 1,
+        }, name

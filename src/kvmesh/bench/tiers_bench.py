@@ -2,15 +2,17 @@
 it can be: the device cache, the host-DRAM tier, the disk tier, a peer engine, or nowhere
 (recomputed), side by side in one run.
 
-Three `kvmesh serve` engines, one request at a time, max_tokens 1 (the latency is the TTFT):
+Four `kvmesh serve` engines, one request at a time, max_tokens 1 (the latency is the TTFT):
   tiered   a device cache just over one prompt, a host tier of several prompts;
   spilling the same device cache, a host tier of a few blocks and a disk tier: what the host
            tier evicts spills to disk (written, flushed and dropped from the page cache);
-  puller   no tiers, allowed to pull from `tiered`.
+  pullers  no tiers, allowed to pull from `tiered`: one over HTTP (--kv-peer-transport tcp),
+           one over shared memory (shm).
 The prompt is computed once (recomputed), sent again (device), pushed out of the device by two
 other prompts of the same length and sent again (host tier on `tiered`, disk on `spilling`), and
-sent to `puller` naming `tiered` as its source (peer). Each row also reports the cached tokens
-and the tier counters that moved, so a row's source is checked, not assumed."""
+sent to each puller naming `tiered` as its source (peer, HTTP; peer, shared memory). Each row
+also reports the cached tokens and the tier counters that moved, so a row's source is checked,
+not assumed."""
 
 from __future__ import annotations
 
@@ -28,6 +30,14 @@ from rich.table import Table
 from kvmesh.bench import http_load
 
 PEER_HEADER = "x-kv-cache-source-host-port"
+ROWS = (  # (key in tiers.json, label in the table)
+    ("device", "device"),
+    ("host", "host"),
+    ("disk", "disk"),
+    ("peer", "peer, HTTP"),
+    ("peer_shm", "peer, shared memory"),
+    ("recomputed", "recomputed"),
+)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -54,15 +64,16 @@ def _post(url: str, body: dict, headers: dict | None = None) -> dict:
 
 
 def _tier_counters(url: str) -> dict[str, float]:
-    """kvmesh tier and peer counters from /metrics, by name and medium/outcome."""
+    """kvmesh tier and peer counters from /metrics, by name and medium or transport/outcome."""
     with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
         text = resp.read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():
-        m = re.match(r"(kvmesh:kv_(?:offload_hits|peer_pulled_tokens)_total)\{(.*)\} (\S+)", line)
-        if m:
-            medium = re.search(r'medium="(\w+)"', m.group(2))
-            key = m.group(1) + (f"[{medium.group(1)}]" if medium else "")
+        m = re.match(r"(kvmesh:kv_(?:offload_hits|peer_\w+)_total)\{(.*)\} (\S+)", line)
+        if m and "peer_pulls" not in m.group(1):
+            labels = dict(re.findall(r'(medium|transport|outcome)="(\w+)"', m.group(2)))
+            named = [labels[k] for k in ("medium", "transport", "outcome") if k in labels]
+            key = m.group(1) + (f"[{'/'.join(named)}]" if named else "")
             out[key] = float(m.group(3))
     return out
 
@@ -96,12 +107,12 @@ def main(args: argparse.Namespace) -> int:
     common = ["--num-gpu-blocks", str(blocks), "--block-size", str(args.block_size)]
     if args.threads:
         common += ["--num-threads", str(args.threads)]
-    ports = [http_load.free_port() for _ in range(3)]
+    ports = [http_load.free_port() for _ in range(4)]
     tiered = [*common, "--kv-offloading-size", str(args.host_tier_gib)]
     spilling = [*common, "--kv-offloading-size", "0.003"]  # a few blocks: nearly all spill
     spilling += ["--kv-offloading-disk-path", str(out / "disk")]
     spilling += ["--kv-offloading-disk-size", str(args.disk_tier_gib)]
-    puller = [*common, "--kv-peer-allowlist", f"127.0.0.1:{ports[0]}"]
+    puller = [*common, "--kv-peer-allowlist", f"127.0.0.1:{ports[0]}", "--kv-peer-transport"]
     console = Console()
     rows: dict[str, dict] = {}
     os.environ["KVMESH_DEV_MODE"] = "1"  # /reset_prefix_cache, to repeat the peer pull
@@ -111,12 +122,16 @@ def main(args: argparse.Namespace) -> int:
         rows[name] = {"ttft_s": round(seconds, 4), "cached_tokens": cached, "moved": moved}
         if samples:
             rows[name]["samples_s"] = [round(x, 4) for x in samples]
-        console.print(f"{name:>10}: TTFT {seconds * 1000:9.1f} ms, {cached} tokens cached {moved}")
+        line = f"{name:>10}: TTFT {seconds * 1000:9.1f} ms, {cached} tokens cached {moved}"
+        console.print(line, markup=False)  # counter keys carry [labels], not rich markup
+
+    def median(runs: list) -> tuple[tuple[float, int, dict], list[float]]:
+        """The median sample, and every sample's TTFT."""
+        runs = sorted(runs, key=lambda r: r[0])
+        return runs[len(runs) // 2], [r[0] for r in runs]
 
     def repeated(fn) -> tuple[tuple[float, int, dict], list[float]]:
-        """The median sample of fn(), and every sample's TTFT."""
-        runs = sorted((fn() for _ in range(max(1, args.repeats))), key=lambda r: r[0])
-        return runs[len(runs) // 2], [r[0] for r in runs]
+        return median([fn() for _ in range(max(1, args.repeats))])
 
     def pull_once(p_url: str, peer: str):
         reset = urllib.request.Request(p_url + "/reset_prefix_cache", data=b"", method="POST")
@@ -126,7 +141,8 @@ def main(args: argparse.Namespace) -> int:
     with (
         http_load.EngineProcess(ports[0], tiered, out / "tiered.log") as t_url,
         http_load.EngineProcess(ports[1], spilling, out / "spilling.log") as s_url,
-        http_load.EngineProcess(ports[2], puller, out / "puller.log") as p_url,
+        http_load.EngineProcess(ports[2], [*puller, "tcp"], out / "puller.log") as p_url,
+        http_load.EngineProcess(ports[3], [*puller, "shm"], out / "shm-puller.log") as m_url,
     ):
         prompt = _prompt_ids(t_url, 1, args.prompt_tokens)
         fillers = [_prompt_ids(t_url, seed, args.prompt_tokens) for seed in (2, 3)]
@@ -140,18 +156,26 @@ def main(args: argparse.Namespace) -> int:
         for ids in (prompt, *fillers):
             _ttft(s_url, ids)
         record("disk", _ttft(s_url, prompt))
-        _ttft(p_url, warm_up)
-        record("peer", *repeated(lambda: pull_once(p_url, f"127.0.0.1:{ports[0]}")))
+        source = f"127.0.0.1:{ports[0]}"
+        for url in (p_url, m_url):
+            _ttft(url, warm_up)
+        pulls: dict[str, list] = {"peer": [], "peer_shm": []}
+        for i in range(max(1, args.repeats)):  # interleaved, each first in turn: same conditions
+            order = [("peer", p_url), ("peer_shm", m_url)]
+            for name, url in order[:: 1 if i % 2 == 0 else -1]:
+                pulls[name].append(pull_once(url, source))
+        for name, runs in pulls.items():
+            record(name, *median(runs))
 
     table = Table(title=f"TTFT of a {args.prompt_tokens}-token prompt, SmolLM2-135M on this CPU")
     for col in ("prefix from", "TTFT", "vs recomputed", "cached tokens"):
         table.add_column(col, justify="left" if col == "prefix from" else "right")
     base = rows["recomputed"]["ttft_s"]
-    for name in ("device", "host", "disk", "peer", "recomputed"):
+    for name, label in ROWS:
         r = rows[name]
         speedup = base / r["ttft_s"] if r["ttft_s"] else 0.0
         table.add_row(
-            name, f"{r['ttft_s'] * 1000:.1f} ms", f"{speedup:.1f}x", str(r["cached_tokens"])
+            label, f"{r['ttft_s'] * 1000:.1f} ms", f"{speedup:.1f}x", str(r["cached_tokens"])
         )
     console.print(table)
     results = {"settings": {k: v for k, v in vars(args).items() if not callable(v)}, **rows}

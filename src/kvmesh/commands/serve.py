@@ -47,6 +47,10 @@ ENGINE_HELP = {
     "kv_peer_allowlist": "Comma-separated host:port engines this one may pull cached blocks "
     "from when a request names one (x-kv-cache-source-host-port header or kv_transfer_params "
     "kvmesh_peer); empty: peer pulls are refused.",
+    "kv_peer_transport": "How pulled blocks travel: tcp (the HTTP body), shm (a POSIX "
+    "shared-memory segment the peer writes under /dev/shm; needs the peer on this host) or auto "
+    "(shm when the peer's address is loopback or this engine's host, else tcp). A segment that "
+    "cannot be read is asked again over tcp.",
     "data_parallel_rank": "This engine's data-parallel rank (metrics label, event port offset).",
     "num_threads": "Torch CPU threads (default: all cores available).",
 }

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+PEER_TRANSPORTS = ("auto", "tcp", "shm")
 
 
 @dataclass(slots=True)
@@ -35,6 +36,7 @@ class EngineConfig:
     kv_offloading_disk_path: str | None = None  # a directory or file for the disk tier
     kv_offloading_disk_size: float = 8.0  # GiB of the disk tier (with a disk path)
     kv_peer_allowlist: str | None = None  # comma-separated host:port peers that may be pulled
+    kv_peer_transport: str = "auto"  # auto (shm on one host, else tcp), tcp or shm
     data_parallel_rank: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU
     extra: dict = field(default_factory=dict)
@@ -66,6 +68,8 @@ class EngineConfig:
             host, _, port = peer.strip().rpartition(":")
             if peer.strip() and (not host or not port.isdigit()):
                 raise ValueError(f"--kv-peer-allowlist entries must be host:port, got {peer!r}")
+        if self.kv_peer_transport not in PEER_TRANSPORTS:
+            raise ValueError(f"--kv-peer-transport must be one of {PEER_TRANSPORTS}")
         if (
             not self.enable_chunked_prefill
             and self.max_model_len is not None

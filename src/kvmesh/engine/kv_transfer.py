@@ -115,11 +115,12 @@ def encode_payload(block_hashes: list[bytes], num_tokens: int, data, meta: dict)
     return b"".join(encode_payload_parts(block_hashes, num_tokens, data, meta))
 
 
-def decode_payload(payload: bytes) -> tuple[dict, memoryview]:
+def decode_payload(payload: bytes | memoryview) -> tuple[dict, memoryview]:
+    """(header, KV) of a payload; the KV is a view of `payload` (bytes or a mapped segment)."""
     if len(payload) < 4:
         raise ValueError("truncated KV payload")
     n = int.from_bytes(payload[:4], "big")
-    header = json.loads(payload[4 : 4 + n])
+    header = json.loads(bytes(payload[4 : 4 + n]))
     header["block_hashes"] = [bytes.fromhex(h) for h in header["block_hashes"]]
     data = memoryview(payload)[4 + n :]
     if "kv_xxh3" in header and xxhash.xxh3_64_intdigest(data) != header["kv_xxh3"]:

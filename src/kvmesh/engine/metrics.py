@@ -163,6 +163,14 @@ class EngineMetrics:
             names + ["outcome"],
             registry=r,
         )
+        self.peer_transfers = Counter(
+            "kvmesh:kv_peer_transfers",
+            "Payloads peer pulls received, by transport (shm: a shared-memory segment on this "
+            "host; tcp: the HTTP body) and outcome (ok: imported; failed: refused on import; "
+            "unreadable: a segment that could not be mapped, asked again over tcp).",
+            names + ["transport", "outcome"],
+            registry=r,
+        )
         self.peer_tokens = counter(
             "kvmesh:kv_peer_pulled_tokens", "Prompt tokens imported from peers, not computed."
         )

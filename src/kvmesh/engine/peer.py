@@ -4,11 +4,12 @@ The router (or any client) names the source as llm-d's P2P flow does, in the hea
 `x-kv-cache-source-host-port: host:port`, or in the body as `kv_transfer_params.kvmesh_peer`.
 The engine first takes what it holds itself (device, then its lower tiers), then asks the peer
 for the rest by block hash (`POST /kv_transfer/blocks`); the peer answers with the longest run
-it holds, from any of its tiers. Blocks are imported only when their hashes equal those of the
-request's own tokens and the payload's checksum holds; a refused, failed or partial pull leaves
-the rest to be computed, so a pull can make a request faster but never change its output.
-Only allow-listed peers (`--kv-peer-allowlist`) are contacted: the name comes from a request.
-"""
+it holds, from any of its tiers: as the HTTP body, or, when both engines share a host
+(`--kv-peer-transport`), in a shared-memory segment (shm_transfer). Blocks are imported only
+when their hashes equal those of the request's own tokens and the payload's checksum holds; a
+refused, failed or partial pull leaves the rest to be computed, so a pull can make a request
+faster but never change its output.
+Only allow-listed peers (`--kv-peer-allowlist`) are contacted: the name comes from a request."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import msgspec
 
+from kvmesh.engine import shm_transfer
 from kvmesh.engine.sequence import Request, SamplingParams
 from kvmesh.protocol.openai import ChatCompletionRequest, CompletionRequest, completion_prompts
 
@@ -83,10 +85,13 @@ def prompt_token_ids(serving, path: str, raw_body: bytes) -> tuple[list[list[int
 class PeerPuller:
     """Pulls for one engine; `allowlist` holds the host:port peers it may contact."""
 
-    def __init__(self, bundle, allowlist: frozenset[str], timeout: float = 30.0) -> None:
+    def __init__(
+        self, bundle, allowlist: frozenset[str], timeout: float = 30.0, transport: str = "auto"
+    ) -> None:
         self.bundle = bundle
         self.allowlist = allowlist
         self.timeout = timeout
+        self.transport = transport  # config.PEER_TRANSPORTS: auto, tcp or shm
 
     async def before_request(self, headers, path: str, raw_body: bytes) -> int:
         """Pull what the named peer holds for this request's prompts; tokens imported."""
@@ -108,6 +113,15 @@ class PeerPuller:
             total += await self.pull(peer, ids, salt)
         return total
 
+    def wants_shm(self, peer: str) -> bool:
+        """shm: always try shared memory; auto: when the peer is on this host; tcp: never."""
+        if self.transport == "tcp" or not shm_transfer.available():
+            return False
+        own_host = self.bundle.engine.core.advertise[0]
+        return self.transport == "shm" or shm_transfer.is_local_host(
+            peer.rpartition(":")[0], own_host
+        )
+
     async def pull(self, peer: str, token_ids: list[int], cache_salt: str | None = None) -> int:
         engine, metrics = self.bundle.engine, self.bundle.metrics
         rid = f"peer-{uuid.uuid4().hex}"
@@ -115,8 +129,37 @@ class PeerPuller:
         first, hashes = await engine.call(lambda core: core.local_prefix(probe))
         if first >= len(hashes):
             return 0  # this engine holds the whole prefix already
-        body = {"block_hashes": [h.hex() for h in hashes], "first_block": first}
-        outcome, saved = "failed", 0
+        body: dict = {"block_hashes": [h.hex() for h in hashes], "first_block": first}
+        if self.wants_shm(peer):
+            body["transport"] = "shm"
+        outcome, answer = await self._ask(peer, body)
+        got: tuple[int, float] | None = None
+        if isinstance(answer, dict):  # a shared-memory segment the peer wrote on this host
+            got = await engine.call(lambda core: shm_transfer.import_segment(core, probe, answer))
+            self._count("shm", "unreadable" if got is None else "ok" if got[0] else "failed")
+            if got is None:  # gone, resized or refused: the same blocks over TCP instead
+                del body["transport"]
+                outcome, answer = await self._ask(peer, body)
+        if isinstance(answer, bytes):
+
+            def load(core) -> tuple[int, float]:  # the delay read with its own import
+                return core.import_payload(probe, answer), core.last_import_seconds
+
+            got = await engine.call(load)
+            self._count("tcp", "ok" if got[0] else "failed")
+        saved = 0
+        if got is not None:
+            saved, delay = got
+            outcome = "ok" if saved else "failed"
+            if saved and delay > 0:  # an emulated link: the blocks take this long to arrive
+                await asyncio.sleep(delay * engine.time_scale)
+        metrics.peer_pulls.labels(**metrics.labels, outcome=outcome).inc()
+        if saved:
+            metrics.peer_tokens.inc(saved)
+        return saved
+
+    async def _ask(self, peer: str, body: dict) -> tuple[str, bytes | dict | None]:
+        """(outcome if nothing came, the payload's bytes or a segment's {shm_name, size})."""
         try:
             async with (
                 aiohttp.ClientSession() as session,
@@ -126,22 +169,16 @@ class PeerPuller:
                     timeout=aiohttp.ClientTimeout(total=self.timeout),
                 ) as resp,
             ):
-                payload = await resp.read() if resp.status == 200 else None
-                if resp.status == 404:
-                    outcome = "miss"
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                if resp.status != 200:
+                    return ("miss" if resp.status == 404 else "failed"), None
+                if resp.content_type == "application/json":
+                    answer = await resp.json()
+                    return "failed", answer if isinstance(answer, dict) else None
+                return "failed", await resp.read()
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
             logger.warning("KV pull from peer %s failed (%s); computing instead", peer, exc)
-            payload = None
-        if payload is not None:
+            return "failed", None
 
-            def load(core) -> tuple[int, float]:  # the delay read with its own import
-                return core.import_payload(probe, payload), core.last_import_seconds
-
-            saved, delay = await engine.call(load)
-            outcome = "ok" if saved else "failed"
-            if saved and delay > 0:  # an emulated link: the blocks take this long to arrive
-                await asyncio.sleep(delay * engine.time_scale)
-        metrics.peer_pulls.labels(**metrics.labels, outcome=outcome).inc()
-        if saved:
-            metrics.peer_tokens.inc(saved)
-        return saved
+    def _count(self, transport: str, outcome: str) -> None:
+        m = self.bundle.metrics
+        m.peer_transfers.labels(**m.labels, transport=transport, outcome=outcome).inc()

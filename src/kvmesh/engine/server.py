@@ -11,7 +11,7 @@ import time
 
 from aiohttp import web
 
-from kvmesh.engine import openai_routes
+from kvmesh.engine import openai_routes, shm_transfer
 from kvmesh.engine.builder import EngineBundle
 from kvmesh.engine.peer import BLOCKS_ROUTE, PeerPuller, parse_allowlist
 from kvmesh.protocol.openai import (
@@ -26,6 +26,7 @@ from kvmesh.protocol.openai import (
 logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 32 * 2**20
 BUNDLE = web.AppKey("bundle", EngineBundle)
+SEGMENTS = web.AppKey("shm_segments", shm_transfer.SegmentWriter)
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -151,7 +152,8 @@ async def kv_transfer(request: web.Request) -> web.Response:
 
 
 async def kv_transfer_blocks(request: web.Request) -> web.Response:
-    """The peer route: another engine asks for cached blocks by hash, from a first index."""
+    """The peer route: another engine asks for cached blocks by hash, from a first index; with
+    "transport": "shm" from this host, they come in a shared-memory segment (shm_transfer)."""
     b: EngineBundle = request.app[BUNDLE]
     try:
         body = await request.json()
@@ -164,6 +166,12 @@ async def kv_transfer_blocks(request: web.Request) -> web.Response:
     parts = await b.engine.call(lambda core: core.export_prefix(hashes, first))
     if parts is None:
         raise APIError("None of these blocks is cached here.", 404)
+    local = request.transport.get_extra_info("sockname") if request.transport else None
+    if body.get("transport") == "shm" and shm_transfer.same_host(request.remote, local):
+        # the puller shares this host: the payload goes in a segment, the answer names it
+        segment = await request.app[SEGMENTS].answer(parts)
+        if segment is not None:
+            return _json(segment)
     resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
     resp.content_length = sum(len(p) for p in parts)
     await resp.prepare(request)
@@ -187,12 +195,16 @@ def peer_middleware(puller: PeerPuller):
 
 def build_app(bundle: EngineBundle) -> web.Application:
     middlewares = [error_middleware]
-    puller = PeerPuller(bundle, parse_allowlist(bundle.config.kv_peer_allowlist))
+    config = bundle.config
+    puller = PeerPuller(
+        bundle, parse_allowlist(config.kv_peer_allowlist), transport=config.kv_peer_transport
+    )
     middlewares.append(peer_middleware(puller))
     if bundle.faults is not None:
         middlewares.append(bundle.faults.middleware())
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[BUNDLE] = bundle
+    app[SEGMENTS] = shm_transfer.SegmentWriter()
     app[openai_routes.SERVING] = bundle.serving
     app[openai_routes.FAULTS] = bundle.faults
     if bundle.faults is not None:
@@ -217,6 +229,7 @@ def build_app(bundle: EngineBundle) -> web.Application:
         bundle.engine.start()
 
     async def on_cleanup(app: web.Application) -> None:
+        app[SEGMENTS].close()
         bundle.close()
 
     app.on_startup.append(on_startup)
