@@ -3,6 +3,8 @@ the block/tier invariants under random workloads (a fake copier tracks what each
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -34,6 +36,42 @@ class FakeCopier:
     def copy_between_tiers(self, src, src_slots, dst, dst_slots) -> None:
         for s, d in zip(src_slots, dst_slots, strict=True):
             self.tiers[dst][d] = self.tiers[src][s]
+
+
+class SteppedWorker:
+    """An async copy worker whose copies land when the test says: `tick()` ends the loads that
+    have waited `delay` ticks, `release()` ends them all (and `wait`, as nothing else runs)."""
+
+    def __init__(self, run, delay: int = 0) -> None:
+        self.run = run
+        self.delay = delay
+        self.pending: list[list] = []  # [ticks left, future, loads]
+
+    def submit(self, loads) -> cf.Future:
+        fut: cf.Future = cf.Future()
+        self.pending.append([self.delay, fut, loads])
+        return fut
+
+    def tick(self) -> None:
+        for entry in self.pending:
+            entry[0] -= 1
+        self._land([e for e in self.pending if e[0] < 0])
+
+    def release(self) -> None:
+        self._land(list(self.pending))
+
+    def _land(self, entries: list[list]) -> None:
+        for entry in entries:
+            self.pending.remove(entry)
+            try:
+                self.run(entry[2])
+            except OSError as exc:  # as the thread worker: the scheduler sees the failure
+                entry[1].set_exception(exc)
+            else:
+                entry[1].set_result(None)
+
+    def wait(self, handles, timeout) -> None:
+        self.release()
 
 
 def make_kv(num_blocks=8, cpu=6, disk=10, events=True) -> tuple[KVCacheManager, FakeCopier]:

@@ -1,9 +1,12 @@
 """Offload tiers on an emulated engine: the same bookkeeping as the real engine, with loads
-charged to the step at the host link's bandwidth."""
+taking the host link's modelled time: on the engine clock while the request waits (async), or
+charged to the next step (sync)."""
 
 from __future__ import annotations
 
 import json
+
+import pytest
 
 from kvmesh.engine.emulation.runner import PCIE_BANDWIDTH
 from tests.conftest import emulated_fleet
@@ -16,11 +19,11 @@ def complete(url: str, prompt: str) -> dict:
     return json.loads(raw)
 
 
-def test_emulated_engine_reloads_an_evicted_prefix_from_host(tokenizer):
-    engine = {"num_gpu_blocks": 64, "kv_offloading_size": 1.0}
-    with emulated_fleet(
-        tokenizer, engine=engine, emulate_ttft_ms=None, emulate_itl_ms=None
-    ) as (urls, fleet):
+@pytest.mark.parametrize("async_loads", [True, False])
+def test_emulated_engine_reloads_an_evicted_prefix_from_host(tokenizer, async_loads):
+    engine = {"num_gpu_blocks": 64, "kv_offloading_size": 1.0, "kv_offloading_async": async_loads}
+    emu = {"emulate_ttft_ms": None, "emulate_itl_ms": None}
+    with emulated_fleet(tokenizer, engine=engine, **emu) as (urls, fleet):
         url, bundle = urls[0], fleet.bundles[0]
         prompt = "the agent reads the repository and plans the change " * 60
         first = complete(url, prompt)
@@ -36,3 +39,6 @@ def test_emulated_engine_reloads_an_evicted_prefix_from_host(tokenizer):
         assert abs(runner.modelled_loads["CPU"] - expected) < 1e-9
         kv.pool.check_invariants()
         kv.offloader.check_invariants()
+        if async_loads:  # the load ran on the modelled copy link, not inside a step
+            assert kv.loads.num_loaded_blocks == cpu.hit_blocks
+            assert runner.clock >= expected

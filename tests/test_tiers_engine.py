@@ -1,5 +1,6 @@
 """Offload tiers on the real SmolLM2 engine: a prefix pushed out of a tiny device cache comes
-back from the host tier or the disk tier, and greedy output is the same as when it is computed."""
+back from the host tier or the disk tier, and greedy output is the same as when it is computed,
+whether the load runs on the copy worker (async, the default) or inside the step (sync)."""
 
 from __future__ import annotations
 
@@ -45,14 +46,23 @@ def evict_then_reuse(url: str, bundle) -> tuple[str, str, int]:
     again = complete(url, PROMPT)
     kv.pool.check_invariants()
     kv.offloader.check_invariants()
-    return reference, again["choices"][0]["text"], again["usage"]["prompt_tokens_details"][
-        "cached_tokens"
-    ]
+    if kv.loads is not None:
+        kv.loads.check_invariants()
+        assert kv.loads.num_loaded_blocks > 0, "the async path was not taken"
+    return (
+        reference,
+        again["choices"][0]["text"],
+        again["usage"]["prompt_tokens_details"]["cached_tokens"],
+    )
 
 
-def test_prefix_from_host_tier_gives_identical_output(smollm2):
-    with engine_server(smollm2, kv_offloading_size=0.05, **TINY) as (url, bundle):
+@pytest.mark.parametrize("async_loads", [True, False])
+def test_prefix_from_host_tier_gives_identical_output(smollm2, async_loads):
+    with engine_server(
+        smollm2, kv_offloading_size=0.05, kv_offloading_async=async_loads, **TINY
+    ) as (url, bundle):
         cpu = bundle.engine.core.kv.offloader.tiers[0]
+        assert (bundle.engine.core.kv.loads is not None) == async_loads
         reference, text, cached = evict_then_reuse(url, bundle)
         assert text == reference
         assert cached >= 5 * 16
@@ -63,7 +73,8 @@ def test_prefix_from_host_tier_gives_identical_output(smollm2):
         assert bundle.metrics.offload_copy_seconds._value.get() > 0  # CPU copies are timed
 
 
-def test_prefix_from_disk_tier_gives_identical_output(smollm2, tmp_path):
+@pytest.mark.parametrize("async_loads", [True, False])
+def test_prefix_from_disk_tier_gives_identical_output(smollm2, tmp_path, async_loads):
     # a host tier of 8 blocks: the filler's write-through spills PROMPT's blocks to disk
     per_block = 2 * 16 * 3 * 64 * 30 * 4
     size = 8 * per_block / 2**30
@@ -72,6 +83,7 @@ def test_prefix_from_disk_tier_gives_identical_output(smollm2, tmp_path):
         kv_offloading_size=size,
         kv_offloading_disk_path=str(tmp_path),
         kv_offloading_disk_size=0.1,
+        kv_offloading_async=async_loads,
         **TINY,
     ) as (url, bundle):
         cpu, disk = bundle.engine.core.kv.offloader.tiers

@@ -1,6 +1,8 @@
 """The real scheduler over a tiny device cache with host and disk tiers, under random concurrent
 workloads (chunked prefill, decode, preemption, finishes): after every step each cached block,
-on the device or in a tier, holds exactly the tokens its hash names, and nothing leaks."""
+on the device or in a tier, holds exactly the tokens its hash names, and nothing leaks. Loads run
+inline, or asynchronously on a test worker whose copies land a chosen number of steps later (a
+block registered before its copy has landed would hold other tokens, and fail the check)."""
 
 from __future__ import annotations
 
@@ -8,19 +10,31 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvmesh.engine.kv_cache_manager import KVCacheManager
+from kvmesh.engine.kv_loads import AsyncKVLoads
 from kvmesh.engine.scheduler import Scheduler, SchedulerConfig
 from kvmesh.engine.sequence import Request, RequestStatus, SamplingParams
-from tests.test_tiers import FakeCopier
+from tests.test_tiers import FakeCopier, SteppedWorker
 
 BS = 4
 PREFIXES = [[100 * k + i for i in range(10)] for k in range(1, 4)]
 
 
-def run(requests: list[tuple[int, int, int]], device: int, cpu: int, disk: int, budget: int):
+def run(
+    requests: list[tuple[int, int, int]],
+    device: int,
+    cpu: int,
+    disk: int,
+    budget: int,
+    delay: int | None = None,
+):
     kv = KVCacheManager(device, BS, enable_events=True)
     copier = FakeCopier()
     tiers = [("CPU", cpu)] + ([("DISK", disk)] if disk else [])
-    kv.enable_offloading(tiers, copier, bytes_per_block=1)
+    offloader = kv.enable_offloading(tiers, copier, bytes_per_block=1)
+    worker = None
+    if delay is not None:  # async loads, landing `delay` steps after they start
+        worker = SteppedWorker(offloader.run_loads, delay)
+        kv.loads = AsyncKVLoads(kv, worker)
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget), kv)
     truth: dict[bytes, tuple[int, ...]] = {}  # block hash -> the token prefix it stands for
     for n, (prefix, tail, out) in enumerate(requests):
@@ -30,6 +44,10 @@ def run(requests: list[tuple[int, int, int]], device: int, cpu: int, disk: int, 
         if not sched.has_work:
             break
         step = sched.schedule()
+        if worker is not None:
+            worker.tick()
+            if step.empty and sched.num_loading:
+                kv.loads.wait()
         for item in step.scheduled:  # "compute": a block filled this step takes its tokens
             req, start = item.request, item.request.num_computed_tokens
             end = start + item.num_tokens
@@ -54,7 +72,10 @@ def run(requests: list[tuple[int, int, int]], device: int, cpu: int, disk: int, 
 
 def check(kv: KVCacheManager, copier: FakeCopier, truth: dict) -> None:
     kv.pool.check_invariants()
-    kv.offloader.check_invariants()
+    if kv.loads is not None:
+        kv.loads.check_invariants()
+    if kv.loads is None or not kv.loads.jobs:
+        kv.offloader.check_invariants()
     for h, block in kv.pool.cached.items():
         assert copier.device[block.block_id] == truth[h], "device block holds other tokens"
     for tier in kv.offloader.tiers:
@@ -74,11 +95,15 @@ def check(kv: KVCacheManager, copier: FakeCopier, truth: dict) -> None:
     st.integers(1, 10),
     st.integers(0, 16),
     st.sampled_from([4, 8, 32]),
+    st.sampled_from([None, 0, 1, 3]),
 )
-def test_scheduler_with_tiers_keeps_every_block_true(requests, device, cpu, disk, budget):
-    run(requests, device, cpu, disk, budget)
+def test_scheduler_with_tiers_keeps_every_block_true(requests, device, cpu, disk, budget, delay):
+    run(requests, device, cpu, disk, budget, delay)
 
 
 def test_a_repeated_prefix_is_loaded_after_eviction():
-    kv = run([(0, 9, 2), (1, 9, 2), (2, 9, 2), (0, 9, 2)], device=8, cpu=16, disk=0, budget=32)
-    assert kv.offloader.tiers[0].hit_blocks > 0
+    for delay in (None, 0, 2):
+        workload = [(0, 9, 2), (1, 9, 2), (2, 9, 2), (0, 9, 2)]
+        kv = run(workload, device=8, cpu=16, disk=0, budget=32, delay=delay)
+        assert kv.offloader.tiers[0].hit_blocks > 0
+        assert delay is None or kv.loads.num_loaded_blocks > 0

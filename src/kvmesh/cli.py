@@ -38,6 +38,10 @@ BENCH_COMMANDS = {
         "kvmesh.bench.tiers_bench",
         "TTFT of a long prompt with its prefix on device, host tier, disk, a peer, or recomputed.",
     ),
+    "tier-stall": (
+        "kvmesh.bench.tier_stall_bench",
+        "Decode stall while another request's prefix loads from disk: sync vs async loads.",
+    ),
 }
 
 

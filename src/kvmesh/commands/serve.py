@@ -44,6 +44,9 @@ ENGINE_HELP = {
     "kv_offloading_disk_path": "Directory (or file) for a disk tier below the CPU tier: blocks "
     "the CPU tier evicts spill there.",
     "kv_offloading_disk_size": "GiB of the disk tier (with --kv-offloading-disk-path).",
+    "kv_offloading_async": "Load prefixes from the tiers on a copy worker while the request "
+    "waits (WAITING_FOR_REMOTE_KVS) and the others keep decoding; --no-kv-offloading-async "
+    "loads them inside the step, stalling every running request.",
     "kv_peer_allowlist": "Comma-separated host:port engines this one may pull cached blocks "
     "from when a request names one (x-kv-cache-source-host-port header or kv_transfer_params "
     "kvmesh_peer); empty: peer pulls are refused.",

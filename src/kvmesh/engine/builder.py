@@ -12,6 +12,7 @@ from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.core import EngineCore
 from kvmesh.engine.kv_cache_manager import KVCacheManager
+from kvmesh.engine.kv_loads import AsyncKVLoads
 from kvmesh.engine.kv_transfer import KVTransferConfig
 from kvmesh.engine.metrics import EngineMetrics
 from kvmesh.engine.runner import ModelRunner
@@ -89,7 +90,9 @@ def assemble(
     tiers = tier_slots(config, core.transfer_config, runner.kv_bytes_per_block)
     if tiers and config.enable_prefix_caching:
         runner.init_tiers(dict(tiers), config.kv_offloading_disk_path)
-        kv.enable_offloading(tiers, runner, runner.kv_bytes_per_block)
+        offloader = kv.enable_offloading(tiers, runner, runner.kv_bytes_per_block)
+        if config.kv_offloading_async:
+            kv.loads = AsyncKVLoads(kv, runner.copy_worker(offloader.run_loads))
         logger.info("KV offload tiers: %s", ", ".join(f"{m} {n} blocks" for m, n in tiers))
     engine = AsyncEngine(core, config.max_waiting_requests)
     serving = OpenAIServing(

@@ -35,6 +35,7 @@ class EngineConfig:
     kv_offloading_size: float | None = None  # GiB of host DRAM for the CPU tier (vLLM's flag)
     kv_offloading_disk_path: str | None = None  # a directory or file for the disk tier
     kv_offloading_disk_size: float = 8.0  # GiB of the disk tier (with a disk path)
+    kv_offloading_async: bool = True  # tier loads on a copy worker; False: inline in the step
     kv_peer_allowlist: str | None = None  # comma-separated host:port peers that may be pulled
     kv_peer_transport: str = "auto"  # auto (shm on one host, else tcp), tcp or shm
     data_parallel_rank: int = 0

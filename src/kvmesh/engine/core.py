@@ -106,6 +106,8 @@ class EngineCore:
             for request in progressed:
                 outputs.append(self._process_token(request, now))
             self.kv.flush_offload()  # before the next step writes any device block again
+        elif self.kv.loads is not None and self.kv.loads.jobs:
+            self.kv.loads.wait()  # only copies in flight: wait for the first to land
         if self.held.held:
             self.expire_held()
         self._record(out)

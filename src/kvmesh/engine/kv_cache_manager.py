@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvmesh.engine.block_pool import BlockPool, KVCacheBlock
 from kvmesh.engine.offload import KVOffloader
 from kvmesh.engine.sequence import Request
 from kvmesh.engine.tiers import BlockToStore, OffloadTier
 from kvmesh.protocol.hashing import BlockHasher, block_hash_to_int, event_extra_keys
+
+if TYPE_CHECKING:
+    from kvmesh.engine.kv_loads import AsyncKVLoads
 
 
 class ComputedBlocks(NamedTuple):
@@ -40,6 +43,7 @@ class KVCacheManager:
         self.prefix_cache_queries = 0  # tokens looked up at first admission, not yet reported
         self.prefix_cache_hits = 0
         self.offloader: KVOffloader | None = None
+        self.loads: AsyncKVLoads | None = None  # set: tier loads run on a copy worker
 
     def enable_offloading(self, tiers: list[tuple[str, int]], copier, bytes_per_block: int):
         """Add lower tiers [(medium, slots)], top first; `copier` (the runner) moves the KV."""

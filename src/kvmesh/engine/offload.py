@@ -12,17 +12,36 @@ Policy, and why:
 - A prefix found only in a lower tier is loaded into fresh device blocks and registered as
   device cache blocks, so the scheduler treats it as computed (never recomputed). Loaded blocks
   are written through to the top tier like any other, which promotes disk blocks to host.
+- Loads are asynchronous by default (`--kv-offloading-async`, see `kv_loads`): the copy runs on
+  a copy worker while the request waits in WAITING_FOR_REMOTE_KVS and the others keep decoding;
+  `load` is the synchronous path (the old behaviour, and peer exports, which need the KV now).
+- Stores (and the spills below them) stay synchronous, at the end of the step: an asynchronous
+  store would have to hold its device blocks (unevictable) until the copy ends, as vLLM's
+  `request_finished` delays freeing; here the device -> host copy is one gather (enqueued, not
+  awaited, on CUDA), cheap next to a load from disk, so holding blocks would cost cache space
+  for little gain. A spill to disk writes only what the host tier evicts, a few blocks a step.
 
-The copies themselves are the runner's (`ModelRunner.copy_*`): the torch runner enqueues them on
-the compute stream without blocking the host on CUDA, and runs them synchronously on CPU.
+The copies themselves are the runner's (`ModelRunner.copy_*`): the torch runner enqueues stores
+on the compute stream without blocking the host on CUDA and runs them synchronously on CPU;
+asynchronous loads run on its copy worker (a CUDA stream of their own on CUDA).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvmesh.engine.tiers import BlockToStore, OffloadTier
+
+
+class TierLoad(NamedTuple):
+    """One tier's share of a load: block_hashes[i] in slots[i] -> device block_ids[i]."""
+
+    medium: str
+    block_hashes: list[bytes]
+    slots: list[int]
+    block_ids: list[int]
 
 
 @dataclass(slots=True)
@@ -102,26 +121,49 @@ class KVOffloader:
             n += 1
         return n
 
-    def load(self, block_hashes: Sequence[bytes], block_ids: Sequence[int]) -> None:
-        """Copy the blocks into these device blocks, each from the highest tier holding it."""
+    def prepare_load(
+        self, block_hashes: Sequence[bytes], block_ids: Sequence[int]
+    ) -> list[TierLoad]:
+        """The copies that fill these device blocks, each from the highest tier holding its
+        block; every block read stays referenced (never evicted) until `complete_load`."""
         assert len(block_hashes) == len(block_ids)
-        for tier in self.tiers:
+        loads: list[TierLoad] = []
+        for level, tier in enumerate(self.tiers):
             picked = [
                 (h, bid)
                 for h, bid in zip(block_hashes, block_ids, strict=True)
-                if h in tier and not any(h in t for t in self.tiers[: self.tiers.index(tier)])
+                if h in tier and not any(h in t for t in self.tiers[:level])
             ]
-            if not picked:
-                continue
-            hashes = [h for h, _ in picked]
-            slots = tier.prepare_load(hashes)
-            try:
-                self.copier.copy_from_tier(tier.medium, slots, [bid for _, bid in picked])
-            finally:
-                tier.complete_load(hashes)
-            moved = self.traffic[tier.medium]
-            moved.loaded_bytes += len(picked) * self.bytes_per_block
-            moved.hit_tokens += len(picked) * tier.block_size
+            if picked:
+                hashes = [h for h, _ in picked]
+                slots = tier.prepare_load(hashes)
+                loads.append(TierLoad(tier.medium, hashes, slots, [bid for _, bid in picked]))
+        return loads
+
+    def run_loads(self, loads: Sequence[TierLoad]) -> None:
+        """The copies themselves: on the engine thread (sync) or the copy worker (async)."""
+        for load in loads:
+            self.copier.copy_from_tier(load.medium, load.slots, load.block_ids)
+
+    def complete_load(self, loads: Sequence[TierLoad], ok: bool = True) -> None:
+        tiers = {t.medium: t for t in self.tiers}
+        for load in loads:
+            tier = tiers[load.medium]
+            tier.complete_load(load.block_hashes)
+            if ok:
+                moved = self.traffic[load.medium]
+                moved.loaded_bytes += len(load.slots) * self.bytes_per_block
+                moved.hit_tokens += len(load.slots) * tier.block_size
+
+    def load(self, block_hashes: Sequence[bytes], block_ids: Sequence[int]) -> None:
+        """Copy the blocks into these device blocks now, on the calling thread."""
+        loads = self.prepare_load(block_hashes, block_ids)
+        ok = False
+        try:
+            self.run_loads(loads)
+            ok = True
+        finally:
+            self.complete_load(loads, ok)
 
     def take_traffic(self) -> dict[str, TierTraffic]:
         traffic = self.traffic

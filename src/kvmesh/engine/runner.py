@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 
+from kvmesh.engine.kv_loads import ThreadCopyWorker
 from kvmesh.engine.scheduler import SchedulerOutput
 from kvmesh.engine.sequence import Request
 
@@ -59,6 +60,10 @@ class ModelRunner(abc.ABC):
     def copy_from_tier(self, medium: str, slots: list[int], block_ids: list[int]) -> None:
         """Tier slots[i] -> device blocks block_ids[i]."""
         raise NotImplementedError
+
+    def copy_worker(self, run):
+        """What runs asynchronous loads: `run(loads)` on one background thread by default."""
+        return ThreadCopyWorker(run)
 
     def copy_between_tiers(
         self, src: str, src_slots: list[int], dst: str, dst_slots: list[int]

@@ -2,7 +2,9 @@
 
 There are no prefill and decode phases: each step, every request's num_computed_tokens moves
 towards num_tokens within the budget. Running requests go first; waiting ones are admitted only
-when no request was preempted in this step.
+when no request was preempted in this step. With asynchronous tier loads (`kv.loads`), a waiting
+request whose prefix is in a lower tier leaves the queue for WAITING_FOR_REMOTE_KVS while its
+blocks load, and comes back to the front of the queue when they have landed.
 """
 
 from __future__ import annotations
@@ -105,7 +107,12 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running or len(self.waiting))
+        loads = self.kv.loads
+        return bool(self.running or len(self.waiting) or (loads is not None and loads.busy))
+
+    @property
+    def num_loading(self) -> int:
+        return self.kv.loads.num_waiting if self.kv.loads is not None else 0
 
     def _prefill_cap(self, num_new: int, budget: int) -> int:
         cap = self.config.long_prefill_token_threshold
@@ -132,6 +139,11 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled_ids: set[str] = set()
+        loads = self.kv.loads
+        if loads is not None:
+            for request in reversed(loads.poll()):  # blocks landed: first in line again
+                request.status = RequestStatus.WAITING
+                self.waiting.add(request, front=True)
 
         for request in list(self.running):
             if budget <= 0:
@@ -158,13 +170,24 @@ class Scheduler:
 
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
-            computed = self.kv.get_computed_blocks(request)
+            if loads is None:
+                computed = self.kv.get_computed_blocks(request)  # loads from tiers inline
+            else:
+                computed = loads.computed_or_park(request)
+                if computed is None:  # its prefix is loading: the next ones go meanwhile
+                    self.waiting.pop()
+                    request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                    continue
             num_new = request.num_tokens - computed.num_tokens
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = self._prefill_cap(num_new, budget)
             if self.kv.allocate_slots(request, num_new, computed) is None:
+                if loads is not None:  # no waiting request keeps blocks it cannot use yet
+                    loads.release_all()
                 break
+            if loads is not None:
+                loads.release(request)  # allocate_slots took the request's own references
             self.waiting.pop()
             if request.num_cached_tokens < 0:  # first admission: what the client sees as cached
                 request.num_cached_tokens = computed.num_tokens
@@ -205,6 +228,8 @@ class Scheduler:
             self.running.remove(request)
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
+        if self.kv.loads is not None:
+            self.kv.loads.forget(request)  # a load in flight is freed when its copy ends
         request.status = status
         if keep_blocks:
             return self.kv.detach(request)
@@ -217,4 +242,4 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + self.num_loading

@@ -9,12 +9,13 @@ from dataclasses import dataclass, field
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6
+    WAITING_FOR_REMOTE_KVS = 1  # its prefix is being loaded from a lower tier (kv_loads)
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
 
     @property
     def finished(self) -> bool:

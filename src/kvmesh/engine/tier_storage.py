@@ -63,18 +63,16 @@ class DiskTierStorage:
                 os.posix_fadvise(self.fd, offset, self.slot_bytes, os.POSIX_FADV_DONTNEED)
 
     def read(self, slots: list[int]) -> torch.Tensor:
-        buf = bytearray(len(slots) * self.slot_bytes)
-        view = memoryview(buf)
+        buf = torch.empty((len(slots), self.slot_bytes), dtype=torch.uint8)  # not zeroed
+        rows = buf.numpy()
         for i, slot in enumerate(slots):
-            chunk = view[i * self.slot_bytes : (i + 1) * self.slot_bytes]
-            got = os.preadv(self.fd, [chunk], slot * self.slot_bytes)
+            got = os.preadv(self.fd, [rows[i]], slot * self.slot_bytes)  # releases the GIL
             if got != self.slot_bytes:
                 raise OSError(f"short read of KV slot {slot} from {self.path}")
             if self.drop_cache:
                 offset = slot * self.slot_bytes
                 os.posix_fadvise(self.fd, offset, self.slot_bytes, os.POSIX_FADV_DONTNEED)
-        flat = torch.frombuffer(buf, dtype=torch.uint8).view(self.dtype)
-        return flat.reshape(len(slots), *self.block_shape)
+        return buf.view(self.dtype).reshape(len(slots), *self.block_shape)
 
     def close(self) -> None:
         if self.fd >= 0:

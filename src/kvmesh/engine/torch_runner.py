@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 import warnings
 
@@ -11,6 +12,7 @@ import torch
 
 from kvmesh.engine.attention import AttentionMetadata, allocate_kv_cache, kv_cache_bytes_per_block
 from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.kv_loads import ThreadCopyWorker
 from kvmesh.engine.runner import ModelRunner, SampledTokens, blocked_tokens
 from kvmesh.engine.sampler import Sampler
 from kvmesh.engine.scheduler import SchedulerOutput
@@ -31,6 +33,7 @@ class TorchRunner(ModelRunner):
         self.kv_bytes_per_block = per_block
         self.tiers: dict[str, HostTierStorage | DiskTierStorage] = {}
         self.copy_seconds = 0.0  # time spent in tier copies (synchronous on CPU)
+        self._copy_lock = threading.Lock()  # copy_seconds is also added to by the copy worker
         if config.num_gpu_blocks is not None:
             self.num_blocks = config.num_gpu_blocks
         else:
@@ -146,6 +149,26 @@ class TorchRunner(ModelRunner):
             else:
                 self.tiers[medium] = HostTierStorage(n, shape, self.dtype, pin)
 
+    def copy_worker(self, run) -> ThreadCopyWorker:
+        """Loads on a worker thread; on CUDA on their own stream, synchronized before the load
+        counts as done, so the blocks are whole when the scheduler lets a step read them. (On
+        CPU its torch thread count is its own, under OpenMP.)"""
+        if self.device.type != "cuda":  # one thread: the step's torch threads keep the cores
+            return ThreadCopyWorker(run, init=lambda: torch.set_num_threads(1))
+        stream = torch.cuda.Stream(self.device)
+
+        def on_stream(loads) -> None:
+            stream.wait_stream(torch.cuda.default_stream(self.device))  # e.g. stores in flight
+            with torch.cuda.stream(stream):
+                run(loads)
+            stream.synchronize()
+
+        return ThreadCopyWorker(on_stream)
+
+    def _count_copy(self, t0: float) -> None:
+        with self._copy_lock:
+            self.copy_seconds += time.perf_counter() - t0
+
     def _gather(self, block_ids: list[int]) -> torch.Tensor:
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         return torch.stack([cache[:, idx] for cache in self.kv_caches], dim=1).transpose(0, 2)
@@ -155,7 +178,7 @@ class TorchRunner(ModelRunner):
         t0 = time.perf_counter()
         blocks = self._gather(block_ids)  # [n, L, 2, bs, kvh, hd]
         self.tiers[medium].write(slots, blocks)
-        self.copy_seconds += time.perf_counter() - t0
+        self._count_copy(t0)
 
     @torch.inference_mode()
     def copy_from_tier(self, medium: str, slots: list[int], block_ids: list[int]) -> None:
@@ -170,11 +193,11 @@ class TorchRunner(ModelRunner):
             blocks = store.read(slots).to(self.device, non_blocking=True)
             for layer, cache in enumerate(self.kv_caches):
                 cache[:, idx] = blocks[:, layer].transpose(0, 1)
-        self.copy_seconds += time.perf_counter() - t0
+        self._count_copy(t0)
 
     def copy_between_tiers(
         self, src: str, src_slots: list[int], dst: str, dst_slots: list[int]
     ) -> None:
         t0 = time.perf_counter()
         self.tiers[dst].write(dst_slots, self.tiers[src].read(src_slots))
-        self.copy_seconds += time.perf_counter() - t0
+        self._count_copy(t0)

@@ -56,6 +56,7 @@ class EmulatedRunner(ModelRunner):
         self.filler = tokenizer.encode(FILLER_TEXT, add_special_tokens=False) or [0]
         self.last_step_time = 0.0
         self.predicted_time_total = 0.0
+        self.clock = 0.0  # emulated seconds: steps and idle waits for loads
         self.num_steps = 0
 
     def execute(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> SampledTokens:
@@ -73,6 +74,7 @@ class EmulatedRunner(ModelRunner):
         self.last_step_time = max(compute, self.pending_store_time) + self.pending_load_time
         self.pending_load_time = self.pending_store_time = 0.0
         self.predicted_time_total += self.last_step_time
+        self.clock += self.last_step_time
         self.num_steps += 1
         sampled: SampledTokens = {}
         n = len(self.filler)
@@ -106,14 +108,59 @@ class EmulatedRunner(ModelRunner):
     def copy_to_tier(self, medium: str, block_ids: list[int], slots: list[int]) -> None:
         self.pending_store_time += self._copy_time(medium, len(block_ids))
 
-    def copy_from_tier(self, medium: str, slots: list[int], block_ids: list[int]) -> None:
-        time = self._copy_time(medium, len(slots))
+    def load_time(self, medium: str, num_blocks: int) -> float:
+        """Seconds to bring blocks from a tier to the device (counted in modelled_loads)."""
+        time = self._copy_time(medium, num_blocks)
         if medium != "CPU":  # lower tiers reach the device through host memory
-            time += self._copy_time("CPU", len(slots))
-        self.pending_load_time += time
+            time += self._copy_time("CPU", num_blocks)
         self.modelled_loads[medium] = self.modelled_loads.get(medium, 0.0) + time
+        return time
+
+    def copy_from_tier(self, medium: str, slots: list[int], block_ids: list[int]) -> None:
+        self.pending_load_time += self.load_time(medium, len(slots))  # the next step waits
+
+    def copy_worker(self, run) -> ModelledCopyWorker:
+        return ModelledCopyWorker(self)
+
+    def idle(self, seconds: float) -> None:
+        """A step with nothing to compute that lasts `seconds` (waiting for a load)."""
+        self.last_step_time = seconds
+        self.clock += seconds
 
     def copy_between_tiers(
         self, src: str, src_slots: list[int], dst: str, dst_slots: list[int]
     ) -> None:
         self.pending_store_time += self._copy_time(dst, len(dst_slots))
+
+
+class ModelledLoad:
+    def __init__(self, runner: EmulatedRunner, ready_at: float) -> None:
+        self.runner = runner
+        self.ready_at = ready_at
+
+    def done(self) -> bool:
+        return self.runner.clock >= self.ready_at - 1e-12
+
+    def exception(self) -> None:
+        return None
+
+
+class ModelledCopyWorker:
+    """Asynchronous loads on the emulated timeline: a load occupies the copy link for its
+    modelled time, one after another, and is done once the runner's clock has passed its end;
+    the steps in between run at their own speed (nothing is charged to them)."""
+
+    def __init__(self, runner: EmulatedRunner) -> None:
+        self.runner = runner
+        self.link_free_at = 0.0
+
+    def submit(self, loads) -> ModelledLoad:
+        seconds = sum(self.runner.load_time(ld.medium, len(ld.slots)) for ld in loads)
+        self.link_free_at = max(self.runner.clock, self.link_free_at) + seconds
+        return ModelledLoad(self.runner, self.link_free_at)
+
+    def wait(self, handles: list[ModelledLoad], timeout: float) -> None:
+        """Nothing else to run: the engine idles (a step of that length) until the first lands."""
+        first = min(h.ready_at for h in handles)
+        if first > self.runner.clock:
+            self.runner.idle(first - self.runner.clock)

@@ -1,0 +1,28 @@
+"""`kvmesh bench tier-stall --quick` end to end: each trial's prefix came from where its mode
+says (disk for sync and async, the device for the floor), and the stream was measured."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_quick_tier_stall_bench(tmp_path):
+    out = tmp_path / "stall"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvmesh.cli", "bench", "tier-stall", "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads((out / "tier_stall.json").read_text())
+    full = (400 - 1) // 16 * 16
+    modes = {t["mode"]: t for t in data["trials"]}
+    assert set(modes) == {"sync", "async", "device"}
+    for mode, trial in modes.items():
+        assert trial["cached_tokens"] == full, mode
+        assert trial["max_gap_s"] > 0 and trial["ttft_s"] > 0
+        assert (trial["disk_blocks_loaded"] > 0) == (mode != "device"), mode
+    assert set(data["summary"]) == {"sync", "async", "device"}
