@@ -1,18 +1,16 @@
-"""Prompt tokenization and block hashing for routing, cached for growing (agentic) prompts.
+"""Prompt tokenization for routing, cached for growing (agentic) prompts; the prompt's block
+hashes come from router.block_keys, cached too.
 
-An agent's next prompt is usually its last prompt plus more text, so both steps are cached:
-
-- **Text -> token ids.** Each encoded text is kept as a *run*: its ids and *cuts*, token
-  boundaries that fall on character boundaries. Runs are found through blake2b digests of text
-  prefixes: coarse ones every ``16 * chunk_chars`` characters over the whole text, fine ones every
-  ``chunk_chars`` after the coarse agreement point (that is where an extended text diverges). A
-  text that agrees with a run for ``a`` characters reuses the run's ids up to a cut ``c0`` safely
-  before ``a`` and encodes only ``text[c0:]``. Byte-level BPE pre-tokenisation is local, but this
-  is verified, not assumed: the fresh tail must reproduce the run's tokens from ``c0`` to the next
-  cut ``c1`` (the seam), and a non-space character must follow ``c0`` before the texts may differ
-  (whitespace runs are split by lookahead); otherwise the whole text is encoded.
-- **Token ids -> block hashes.** Each hashed sequence keeps its digests; a blake2b digest of its
-  token ids every ``hash_span`` blocks finds them again, so a known prefix costs no hashing.
+An agent's next prompt is usually its last prompt plus more text. Each encoded text is kept as a
+*run*: its ids and *cuts*, token boundaries that fall on character boundaries. Runs are found
+through blake2b digests of text prefixes: coarse ones every ``16 * chunk_chars`` characters over
+the whole text, fine ones every ``chunk_chars`` after the coarse agreement point (that is where an
+extended text diverges). A text that agrees with a run for ``a`` characters reuses the run's ids
+up to a cut ``c0`` safely before ``a`` and encodes only ``text[c0:]``. Byte-level BPE
+pre-tokenisation is local, but this is verified, not assumed: the fresh tail must reproduce the
+run's tokens from ``c0`` to the next cut ``c1`` (the seam), and a non-space character must follow
+``c0`` before the texts may differ (whitespace runs are split by lookahead); otherwise the whole
+text is encoded.
 
 Not thread-safe: the router calls it from one event loop.
 """
@@ -28,11 +26,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvmesh.engine.tokenizer import PROBES, rust_backend
-from kvmesh.protocol.hashing import BlockHasher, block_hash_to_int
+from kvmesh.router.block_keys import BlockKeyCache, BlockKeyStats
 from kvmesh.router.fastbpe import FastBPE
+from kvmesh.router.tokenizer_probes import fast_backend, offsets_work, special_affixes
 
-_PROBES = ("a", "hello world", "x = 1\n")
 _COARSE = 16  # fine chunks per coarse chunk
 
 
@@ -41,15 +38,13 @@ def _utf8(s: str) -> bytes:
 
 
 @dataclass
-class TokenizerStats:
+class TokenizerStats(BlockKeyStats):
     encodes: int = 0  # raw text encodes requested
     exact_hits: int = 0  # whole text found in the cache
     prefix_hits: int = 0  # cached prefix reused, only a tail encoded
     full_encodes: int = 0  # encoded from the start (cold, short, or seam check failed)
     seam_failures: int = 0
     chars_encoded: int = 0  # characters actually passed to the tokenizer
-    blocks_hashed: int = 0  # block digests computed with the hash function
-    blocks_reused: int = 0  # block digests taken from the cache
 
 
 class _Run:
@@ -72,16 +67,6 @@ class _Run:
         self.digests: list[bytes] = []
 
 
-class _Seq:
-    """Block digests (and their event ints) of one hashed token sequence; ``points`` counts the
-    span checkpoints leading to it. Blocks of sequences with points > 0 count to the budget."""
-
-    __slots__ = ("digests", "ints", "points")
-
-    def __init__(self, digests: list[bytes], ints: list[int]) -> None:
-        self.digests, self.ints, self.points = digests, ints, 0
-
-
 class PromptTokenizer:
     """The router's tokenizer: exact engine token ids and block hashes, computed incrementally."""
 
@@ -100,28 +85,25 @@ class PromptTokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self.block_size = block_size
-        self.hasher = BlockHasher(hash_algo, block_size)
         self.cache_entries = cache_entries  # most runs (cached texts) kept
         self.cache_tokens = cache_tokens  # most token ids kept over all runs
         self.chunk = chunk_chars
         self.cut_stride = cut_stride
         self.hash_span = hash_span
-        self.hash_cache_blocks = hash_cache_blocks  # most block digests kept
         self.stats = TokenizerStats()
+        # keeps at most hash_cache_blocks block digests; counts into self.stats
+        self._keys = BlockKeyCache(block_size, hash_algo, hash_cache_blocks, hash_span, self.stats)
         self._runs: OrderedDict[_Run, None] = OrderedDict()  # LRU, oldest first
         self._ckpt: dict[bytes, _Run] = {}  # digest of a text prefix -> a run extending it
         self._tokens = 0
-        self._spans: OrderedDict[bytes, _Seq] = OrderedDict()  # span checkpoint -> sequence
-        self._span_blocks = 0
         added = getattr(tokenizer, "get_added_vocab", dict)()
         # Texts may differ right after the agreed prefix, and a special token that starts up to
         # its length before that point may be matched in one text only: stay clear of both.
         self._margin = 16 + max((len(t) for t in added), default=48)
-        self._backend = None
-        self._backend = self._fast_backend()
+        self._backend = fast_backend(tokenizer)
         self._bpe = FastBPE.probe(self._backend) if self._backend is not None else None
-        self._cacheable = self._offsets_work()
-        self._specials = self._special_affixes()
+        self._cacheable = offsets_work(tokenizer)
+        self._specials = special_affixes(tokenizer)
 
     def _plain(self, text: str, add_special_tokens: bool) -> list[int]:
         """``tokenizer.encode`` without the transformers wrapper's ~100 us per call, when the
@@ -132,19 +114,6 @@ class PromptTokenizer:
         if self._backend is not None:
             return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-    def _fast_backend(self):
-        """The engine's verified Rust backend (same ids, same text), whose offsets also agree
-        with the wrapper's, as the tail cache cuts texts by them."""
-        backend = rust_backend(self.tokenizer)
-        if backend is None:
-            return None
-        for p in PROBES:
-            enc = backend.encode(p, add_special_tokens=False)
-            ref = self.tokenizer(p, add_special_tokens=False, return_offsets_mapping=True)
-            if [tuple(o) for o in ref["offset_mapping"]] != list(enc.offsets):
-                return None
-        return backend
 
     # ---- public API -----------------------------------------------------------------------
     def encode_completion(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
@@ -183,60 +152,10 @@ class PromptTokenizer:
         self, token_ids: Sequence[int], cache_salt: str | None = None, lora_name: str | None = None
     ) -> list[int]:
         """The engine's block hashes of the full blocks, as KV-event ints."""
-        bs, n, st = self.block_size, len(token_ids) // self.block_size, self.stats
-        if n == 0:
-            return []
-        try:
-            raw = memoryview(array("I", token_ids[: n * bs]).tobytes())
-        except (OverflowError, TypeError):  # not uint32 ids: hash without the cache
-            st.blocks_hashed += n
-            digests = self.hasher.hash_blocks(
-                token_ids, 0, None, cache_salt=cache_salt, lora_name=lora_name
-            )
-            return [block_hash_to_int(d) for d in digests]
-        h = hashlib.blake2b(_utf8(repr((cache_salt, lora_name))), digest_size=16)
-        span = 4 * bs * self.hash_span
-        points = []  # points[k-1]: digest of (salt, lora, ids of the first k spans)
-        for a in range(span, len(raw) + 1, span):
-            h.update(raw[a - span : a])
-            points.append(h.digest())
-        spans, k = self._spans, len(points)
-        while k and points[k - 1] not in spans:
-            k -= 1
-        m = k * self.hash_span
-        known = spans[points[k - 1]] if k else _Seq([], [])
-        digests, ints = known.digests[:m], known.ints[:m]
-        fresh = self.hasher.hash_blocks(
-            token_ids[: n * bs],
-            m,
-            digests[-1] if digests else None,
-            cache_salt=cache_salt,
-            lora_name=lora_name,
-        )
-        digests += fresh
-        ints += [block_hash_to_int(d) for d in fresh]
-        st.blocks_hashed += len(fresh)
-        st.blocks_reused += m
-        if points:
-            seq = _Seq(digests, ints)
-            self._span_blocks += n
-            for p in points:  # re-register all: superseded sequences are freed
-                old = spans.pop(p, None)
-                if old is not None:
-                    self._unref(old)
-                spans[p] = seq
-                seq.points += 1
-            while self._span_blocks > self.hash_cache_blocks and spans:
-                self._unref(spans.popitem(last=False)[1])
-        return list(ints)
-
-    def _unref(self, seq: _Seq) -> None:
-        seq.points -= 1
-        if seq.points == 0:
-            self._span_blocks -= len(seq.ints)
+        return self._keys.block_keys(token_ids, cache_salt, lora_name)
 
     def cache_info(self) -> dict[str, int]:
-        return {"runs": len(self._runs), "tokens": self._tokens, "hash_blocks": self._span_blocks}
+        return {"runs": len(self._runs), "tokens": self._tokens, "hash_blocks": self._keys.blocks}
 
     # ---- text cache -----------------------------------------------------------------------
     def _encode_raw(self, text: str) -> list[int]:
@@ -366,33 +285,3 @@ class PromptTokenizer:
         for d in run.digests:
             if ckpt.get(d) is run:
                 del ckpt[d]
-
-    # ---- probes -----------------------------------------------------------------------------
-    def _offsets_work(self) -> bool:
-        """Whether tokenizer(text, return_offsets_mapping=True) exists and agrees with encode."""
-        try:
-            for p in _PROBES:
-                enc = self.tokenizer(p, add_special_tokens=False, return_offsets_mapping=True)
-                ids = list(enc["input_ids"])
-                if ids != self.tokenizer.encode(p, add_special_tokens=False):
-                    return False
-                if len(enc["offset_mapping"]) != len(ids):
-                    return False
-        except Exception:  # slow tokenizers raise NotImplementedError; others may differ
-            return False
-        return True
-
-    def _special_affixes(self) -> tuple[list[int], list[int]] | None:
-        """(prefix, suffix) ids that add_special_tokens=True puts around any text, if fixed."""
-        found = set()
-        for p in _PROBES:
-            bare = self.tokenizer.encode(p, add_special_tokens=False)
-            full = self.tokenizer.encode(p, add_special_tokens=True)
-            at = [i for i in range(len(full) - len(bare) + 1) if full[i : i + len(bare)] == bare]
-            if len(at) != 1 or not bare:
-                return None
-            found.add((tuple(full[: at[0]]), tuple(full[at[0] + len(bare) :])))
-        if len(found) != 1:
-            return None
-        pre, post = found.pop()
-        return list(pre), list(post)

@@ -1,0 +1,194 @@
+"""The router's HTTP routes: an inference request is parsed, scheduled and forwarded, retrying
+elsewhere before the first byte, and the chosen endpoint's answer streams back byte for byte."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from kvmesh.router.pd import prefill_remotely
+from kvmesh.router.peer_source import PEER_HEADER, PeerSource, select_source
+from kvmesh.router.proxy import Exchange, Upstream, UpstreamError
+
+if TYPE_CHECKING:
+    from kvmesh.router.app import Router
+    from kvmesh.router.endpoints import Endpoint
+    from kvmesh.router.frontdoor import FrontDoor, Request
+    from kvmesh.router.plugins import SchedulingRequest
+
+logger = logging.getLogger(__name__)
+INFERENCE_PATHS = frozenset(("/v1/completions", "/v1/chat/completions"))
+_BROKE = b'data: {"error": {"message": "upstream stream broke", "type": "InternalServerError", "code": 502}}\n\n'  # noqa: E501
+
+
+async def handle(router: Router, door: FrontDoor, request: Request) -> None:
+    path, method = request.path, request.method
+    if path in INFERENCE_PATHS:
+        if method != "POST":
+            return door.respond_error(405, f"{method} is not allowed on {path}.")
+        return await handle_inference(router, door, request)
+    if method != "GET" or path not in ("/v1/models", "/health", "/metrics"):
+        return door.respond_error(404, f"No route for {method} {path}.")
+    if path == "/health":
+        return door.respond(200 if router.pool.candidates() else 503, b"", "text/plain")
+    if path == "/metrics":
+        return door.respond(200, router.render_metrics(), "text/plain; version=0.0.4")
+    for e in router.pool.candidates():
+        link = router.link(e)
+        head = f"GET /v1/models HTTP/1.1\r\n{link.headers}\r\n".encode("latin-1")
+        sent = await _send(router, door, e, [head], 5.0)
+        if isinstance(sent, tuple) and sent[0].status < 500:
+            await _relay(router, door, e, *sent)
+            return
+    door.respond_error(503, "No healthy endpoint.", "Retry-After: 1\r\n")
+
+
+async def handle_inference(router: Router, door: FrontDoor, request: Request) -> None:
+    t0 = time.perf_counter()
+    try:
+        req = await router.parser.parse(request)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+        return door.respond_error(400, f"Invalid request: {exc}")
+    except Exception as exc:  # a chat template that rejects the messages, etc.
+        return door.respond_error(400, f"Could not tokenize the request: {exc}")
+    tried: set[str] = set()
+    for attempt in range(router.config.max_retries + 1):
+        result = router.pick(req, tried)
+        if attempt == 0:
+            router.metrics.scheduling.observe(time.perf_counter() - t0)
+        if result is None:
+            break
+        endpoint = result.primary
+        tried.add(endpoint.name)
+        if attempt:
+            router.metrics.retries.inc()
+        send, source = request.body, None
+        if result.prefill is not None:  # P/D: the decode endpoint gets its KV from prefill
+            send = await prefill_remotely(router, request.path, send, req, result.prefill)
+        elif router.peer_sources is not None:
+            candidates = router.pool.candidates()
+            source = select_source(
+                router.precise_index, candidates, endpoint, req, router.peer_sources, tried
+            )
+        if await _forward(router, door, request, send, req, endpoint, source):
+            return
+    door.respond_error(503, "No healthy endpoint could serve the request.", "Retry-After: 1\r\n")
+
+
+async def _forward(
+    router: Router,
+    door: FrontDoor,
+    request: Request,
+    body: bytes,
+    req: SchedulingRequest,
+    e: Endpoint,
+    source: PeerSource | None = None,
+) -> bool:
+    """Stream e's answer back: True once the client has it (whole, or broken mid-stream);
+    False when e failed before the first byte (try another). `source`: the peer e pulls
+    the prefix it lacks from (named in the header llm-d's P2P flow uses)."""
+    link = router.link(e)
+    auth = request.headers.get("authorization")
+    peer = f"{PEER_HEADER}: {source.address}\r\n" if source else ""
+    head = (
+        f"POST {request.target} HTTP/1.1\r\n{link.headers}Content-Type: application/json\r\n"
+        f"X-Request-Id: {req.request_id}\r\nContent-Length: {len(body)}\r\n{peer}"
+        + (f"Authorization: {auth}\r\n\r\n" if auth else "\r\n")
+    ).encode("latin-1")
+    tokens = len(req.token_ids)
+    e.in_flight += 1
+    e.in_flight_tokens += tokens
+    try:
+        sent = await _send(router, door, e, [head, body], router.config.first_byte_timeout)
+        if isinstance(sent, str):
+            router.metrics.count(e.name, sent)
+            return False
+        ex, conn = sent
+        if ex.status >= 500:
+            router.metrics.count(e.name, f"http_{ex.status}")
+            return False
+        _record_decision(router, req, e)
+        if source is not None:
+            router.metrics.peer_sourced.labels(source.endpoint.name).inc()
+            router.metrics.peer_lead_tokens.inc(source.lead_tokens)
+        await _relay(router, door, e, ex, conn)
+        return True
+    finally:
+        e.in_flight -= 1
+        e.in_flight_tokens -= tokens
+
+
+async def _send(
+    router: Router, door: FrontDoor, e: Endpoint, parts: list[bytes], first_byte_timeout: float
+) -> tuple[Exchange, Upstream] | str:
+    """Send parts to e; once its answer's head is in (passed on unless 5xx), the exchange;
+    before that, the failure as a metrics outcome. A pooled connection that the endpoint
+    had closed meanwhile is retried on a fresh one."""
+    link = router.link(e)
+    loop = asyncio.get_running_loop()
+    for fresh in (False, True):
+        conn = None if fresh else link.pool.take()
+        reused = conn is not None
+        if conn is None:
+            try:
+                conn = await link.pool.connect(5.0)
+            except (OSError, TimeoutError):
+                e.mark_failure(time.monotonic())
+                return "connect_error"
+        ex = Exchange(door, link.tag)
+        door.upstream = conn
+        conn.send(parts, ex)
+        timer = loop.call_later(first_byte_timeout, ex.on_timeout)
+        try:
+            await ex.head
+        except UpstreamError:
+            if reused and not conn.got_bytes:
+                continue  # the endpoint had closed this idle connection
+            e.mark_failure(time.monotonic())
+            return "connect_error"
+        except TimeoutError:
+            conn.abort()
+            e.mark_failure(time.monotonic())
+            return "timeout"
+        except asyncio.CancelledError:  # the client went away
+            if conn.sink is ex:  # still ours: not finished and handed back to the pool
+                conn.abort()
+            raise
+        finally:
+            timer.cancel()
+        return ex, conn
+    return "connect_error"
+
+
+async def _relay(
+    router: Router, door: FrontDoor, e: Endpoint, ex: Exchange, conn: Upstream
+) -> None:
+    """Wait while the rest of e's answer streams to the client."""
+    try:
+        await ex.done
+    except UpstreamError as exc:  # the client has bytes already: end its answer
+        router.metrics.count(e.name, "stream_error")
+        logger.warning("stream from %s broke: %s", e.name, exc)
+        if ex.chunks is not None and ex.chunks.at_boundary and not door.closed:
+            door.transport.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(_BROKE), _BROKE))
+        else:
+            door.must_close = True
+        return
+    except asyncio.CancelledError:
+        if conn.sink is ex:
+            conn.abort()
+        raise
+    router.metrics.count(e.name, "ok" if ex.status < 400 else f"http_{ex.status}")
+
+
+def _record_decision(router: Router, req: SchedulingRequest, e: Endpoint) -> None:
+    if req.block_keys:
+        router.approximate_index.record(e.name, req.block_keys)
+    hit = max((req.precise or {}).get(e.name, 0.0), (req.approximate or {}).get(e.name, 0))
+    if hit:
+        router.metrics.predicted_cached.inc(hit * req.block_size)
+    router.metrics.prompt_tokens.inc(len(req.token_ids))
