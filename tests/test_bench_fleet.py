@@ -23,6 +23,19 @@ def test_parse_counters_sums_series() -> None:
     assert loadgen.pct([1, 2, 3, 4], 50) == 2.5 and loadgen.pct([], 90) == 0.0
 
 
+def test_load_of_a_router_that_names_no_endpoint_comes_from_the_engines() -> None:
+    """Peer routers do not say where a request went: the engines' finished-request counters
+    give the per-engine load instead of the router's own URL."""
+    engines = ["http://e0", "http://e1"]
+    recs = [loadgen.Record(i, 0.0, endpoint="http://router") for i in range(4)]
+    before = {u: {"requests": 0.0, "busy_s": 0.0} for u in engines}
+    after = {"http://e0": {"requests": 3.0, "busy_s": 1.0}, "http://e1": {"requests": 1.0}}
+    s = loadgen.summarize(recs, 2.0, before, after, engines)
+    assert s["load"] == {"http://e0": 3, "http://e1": 1} and s["load_max_mean"] == 1.5
+    named = [loadgen.Record(i, 0.0, endpoint=engines[i % 2]) for i in range(4)]
+    assert loadgen.summarize(named, 2.0, before, after, engines)["load_max_mean"] == 1.0
+
+
 def test_quick_fleet_run(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     fleet.add_args(parser)

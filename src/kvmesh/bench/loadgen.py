@@ -33,6 +33,7 @@ COUNTERS = {  # engine /metrics counters read before and after a run
     "preemptions": "vllm:num_preemptions_total",
     "prompt_tokens": "vllm:prompt_tokens_total",
     "generation_tokens": "vllm:generation_tokens_total",
+    "requests": "vllm:request_success_total",
 }
 
 
@@ -274,10 +275,6 @@ def summarize(
     ms = [r.ttft * 1000 for r in ok]
     itl = [x * 1000 for r in ok for x in r.itls]
     e2e = [r.e2e * 1000 for r in ok]
-    load = {u: 0 for u in engines}
-    for r in records:
-        load[r.endpoint] = load.get(r.endpoint, 0) + 1
-    mean = sum(load.values()) / len(load) if load else 0.0
     per_engine, deltas = {}, dict.fromkeys([*COUNTERS, "busy_s"], 0.0)
     for u in engines:
         a, b = after.get(u, {}), before.get(u, {})
@@ -286,6 +283,13 @@ def summarize(
         per_engine[u] = d
         for k in deltas:
             deltas[k] += d.get(k, 0.0)
+    load = {u: 0 for u in engines}
+    for r in records:
+        load[r.endpoint] = load.get(r.endpoint, 0) + 1
+    if engines and not any(r.endpoint in per_engine for r in records):
+        # a router that does not name its endpoint: the engines' own finished-request counts
+        load = {u: int(per_engine[u].get("requests", 0)) for u in engines}
+    mean = sum(load.values()) / len(load) if load else 0.0
     return {
         "requests": len(records),
         "errors": len(records) - len(ok),
