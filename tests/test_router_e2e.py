@@ -126,6 +126,22 @@ def test_load_spreads_when_an_engine_saturates(tokenizer):
         assert len(counts) == 3, counts  # the shared prefix does not pin everything to one engine
 
 
+def test_prefill_backlog_counts_uncached_tokens_until_the_first_byte(tokenizer):
+    """While a streamed request waits for its first token its endpoint's pending prefill holds
+    the prompt's uncached tokens; once answered (or failed) nothing is left behind."""
+    with stack(tokenizer, n=2, events=False, emulate_ttft_ms=1500.0) as (url, router, fleet, _):
+        body = {"prompt": "backlog " * 64, "max_tokens": 4, "stream": True, "ignore_eos": True}
+        with ThreadPoolExecutor(1) as pool:
+            done = pool.submit(http, url + "/v1/completions", body)
+            wait_for(lambda: sum(e.in_flight for e in router.pool.endpoints.values()) == 1)
+            pending = [e.pending_prefill_tokens for e in router.pool.endpoints.values()]
+            assert sorted(pending) == [0, len(router.tokens.encode_completion(body["prompt"]))]
+            assert done.result(timeout=60)[0] == 200
+        assert [e.pending_prefill_tokens for e in router.pool.endpoints.values()] == [0, 0]
+        http(url + "/v1/completions", {"prompt": "x", "model": "nope"})  # answered 404
+        assert [e.pending_prefill_tokens for e in router.pool.endpoints.values()] == [0, 0]
+
+
 def test_killed_engine_loses_no_unstarted_request(tokenizer):
     with stack(tokenizer, n=3, preset="round-robin", emulate_itl_ms=10.0) as (
         url,

@@ -53,6 +53,20 @@ def test_kv_utilisation_and_load_aware():
     assert score("load-aware-scorer", e) == {"a": 0.5, "b": 0.25, "c": 0.0}
 
 
+def test_prefill_backlog_follows_the_holder_until_its_queue_costs_more():
+    """Cost = pending prefill + this request's uncached tokens; 1 for the least, linear to 0 at
+    scaleTokens more. A 64-token prompt, 3 blocks cached on a (precise), 1 on b (approximate)."""
+    ctx = Indexes(precise={"a": 3.0}, approx={"b": 1})
+    e = eps(a=(0, 0, 0), b=(0, 0, 0), c=(0, 0, 0))
+    got = score("prefill-backlog-scorer", e, ctx=ctx, params={"scaleTokens": 64})
+    assert got == {"a": 1.0, "b": 0.5, "c": 0.25}  # uncached 16 / 48 / 64
+    e[0].pending_prefill_tokens = 64  # a's queue now outweighs its cached prefix
+    got = score("prefill-backlog-scorer", e, ctx=ctx, params={"scaleTokens": 64})
+    assert got == {"a": 0.5, "b": 1.0, "c": 0.75}
+    with pytest.raises(ValueError, match="scaleTokens"):
+        score("prefill-backlog-scorer", e, params={"scaleTokens": 0})
+
+
 def test_active_request_and_token_load():
     e = eps(a=(0, 0, 2), b=(0, 0, 6))
     assert score("active-request-scorer", e) == {"a": 1.0, "b": 0.0}

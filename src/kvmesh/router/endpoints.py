@@ -36,6 +36,7 @@ class Endpoint:
     kv_usage: float = 0.0
     in_flight: int = 0
     in_flight_tokens: int = 0
+    pending_prefill_tokens: int = 0  # uncached prompt tokens of forwarded requests not answered yet
     failures: int = 0
     retry_at: float = 0.0
     last_scrape: float = 0.0

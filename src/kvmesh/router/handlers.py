@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from kvmesh.router.backlog import uncached_tokens
 from kvmesh.router.pd import prefill_remotely
 from kvmesh.router.peer_source import PEER_HEADER, PeerSource, select_source
 from kvmesh.router.proxy import Exchange, Upstream, UpstreamError
@@ -99,11 +100,22 @@ async def _forward(
         f"X-Request-Id: {req.request_id}\r\nContent-Length: {len(body)}\r\n{peer}"
         + (f"Authorization: {auth}\r\n\r\n" if auth else "\r\n")
     ).encode("latin-1")
-    tokens = len(req.token_ids)
+    tokens, prefill = len(req.token_ids), uncached_tokens(req, e.name)
     e.in_flight += 1
     e.in_flight_tokens += tokens
+    e.pending_prefill_tokens += prefill
+    answered = False
+
+    def first_byte() -> None:  # e has prefilled this prompt: its backlog shrinks, once
+        nonlocal answered
+        if not answered:
+            answered = True
+            e.pending_prefill_tokens -= prefill
+
     try:
-        sent = await _send(router, door, e, [head, body], router.config.first_byte_timeout)
+        sent = await _send(
+            router, door, e, [head, body], router.config.first_byte_timeout, first_byte
+        )
         if isinstance(sent, str):
             router.metrics.count(e.name, sent)
             return False
@@ -118,12 +130,18 @@ async def _forward(
         await _relay(router, door, e, ex, conn)
         return True
     finally:
+        first_byte()
         e.in_flight -= 1
         e.in_flight_tokens -= tokens
 
 
 async def _send(
-    router: Router, door: FrontDoor, e: Endpoint, parts: list[bytes], first_byte_timeout: float
+    router: Router,
+    door: FrontDoor,
+    e: Endpoint,
+    parts: list[bytes],
+    first_byte_timeout: float,
+    first_body=None,
 ) -> tuple[Exchange, Upstream] | str:
     """Send parts to e; once its answer's head is in (passed on unless 5xx), the exchange;
     before that, the failure as a metrics outcome. A pooled connection that the endpoint
@@ -139,7 +157,7 @@ async def _send(
             except (OSError, TimeoutError):
                 e.mark_failure(time.monotonic())
                 return "connect_error"
-        ex = Exchange(door, link.tag)
+        ex = Exchange(door, link.tag, first_body)
         door.upstream = conn
         conn.send(parts, ex)
         timer = loop.call_later(first_byte_timeout, ex.on_timeout)

@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 
 import yaml
 
+from kvmesh.router import backlog  # noqa: F401 - registers prefill-backlog-scorer
 from kvmesh.router.endpoints import Endpoint
 from kvmesh.router.plugins import REGISTRY, PluginContext, SchedulingRequest, build_plugin
 
@@ -49,11 +50,14 @@ schedulingProfiles:
     # not arrived yet; load outweighs prefix once the holder is the busiest (so a hot shared
     # prefix spreads); a request whose best match is under half its prompt (a new session that
     # shares only the system prompt and tools) is placed as a cold one, by load and LRU, so new
-    # contexts spread instead of piling onto the first holders of the shared prefix
+    # contexts spread instead of piling onto the first holders of the shared prefix; the
+    # prefill backlog (tokens to compute before this request's first token) keeps a new session
+    # on the holder of its long context unless the holder's queued prefill costs more
     "kvmesh": """
 plugins:
 - {type: precise-prefix-cache-scorer, parameters: {matchThreshold: 0.5}}
 - {type: prefix-cache-scorer, parameters: {matchThreshold: 0.5}}
+- {type: prefill-backlog-scorer}
 - {type: queue-scorer}
 - {type: active-request-scorer}
 - {type: kv-cache-utilization-scorer}
@@ -64,6 +68,7 @@ schedulingProfiles:
   plugins:
   - {pluginRef: precise-prefix-cache-scorer, weight: 2}
   - {pluginRef: prefix-cache-scorer, weight: 1}
+  - {pluginRef: prefill-backlog-scorer, weight: 2}
   - {pluginRef: queue-scorer, weight: 2}
   - {pluginRef: active-request-scorer, weight: 2}
   - {pluginRef: kv-cache-utilization-scorer, weight: 1}

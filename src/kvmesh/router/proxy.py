@@ -85,11 +85,14 @@ class Exchange:
     """One request's trip to an endpoint. A 5xx answer is held back (the router tries another
     endpoint); any other passes to the client as it comes, with ``extra`` header lines."""
 
-    __slots__ = ("door", "extra", "head", "done", "status", "started", "chunks", "pending")
+    __slots__ = (
+        "door", "extra", "head", "done", "status", "started", "chunks", "pending", "first_body"
+    )  # fmt: skip
 
-    def __init__(self, door: FrontDoor, extra: bytes) -> None:
+    def __init__(self, door: FrontDoor, extra: bytes, first_body=None) -> None:
         loop = asyncio.get_running_loop()
         self.door, self.extra = door, extra
+        self.first_body = first_body  # called once, when the first body bytes arrive
         self.head: asyncio.Future = loop.create_future()
         self.done: asyncio.Future = loop.create_future()
         self.status, self.started = 0, False
@@ -123,6 +126,9 @@ class Exchange:
         self.pending = b""
 
     def on_body(self, data: bytes) -> None:
+        if self.first_body is not None:
+            call, self.first_body = self.first_body, None
+            call()
         if self.pending:
             data, self.pending = self.pending + data, b""
         if not self.door.closed:
