@@ -8,6 +8,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from kvmesh.engine import peer
 from kvmesh.engine.peer import PEER_HEADER, normalize_peer, parse_allowlist
 from tests.conftest import engine_server
 from tests.helpers import http
@@ -132,6 +133,24 @@ def test_blocks_of_another_prompt_are_not_imported(peers, monkeypatch):
     out = complete(url, text, headers={PEER_HEADER: netloc})
     assert out["choices"][0]["text"] == reference["choices"][0]["text"]
     assert cached(out) == 0
+
+
+def test_no_room_on_the_device_moves_nothing(peers, monkeypatch):
+    """A puller whose free blocks cannot hold the prompt asks the peer for nothing (the blocks
+    would only displace its cached ones) and computes the prompt."""
+    src_url, src, url, puller, netloc = peers
+    text = prompt("savanna")
+    reference = complete(url, text, cache_salt="computed")
+    complete(src_url, text)
+    real = peer.device_room
+    monkeypatch.setattr(peer, "device_room", lambda c: 0 if c is puller.engine.core else real(c))
+    asked = []
+    monkeypatch.setattr(src.engine.core, "export_prefix", lambda *a: asked.append(a) or [])
+    no_room = pulls(puller, "no_room")
+    out = complete(url, text, headers={PEER_HEADER: netloc})
+    monkeypatch.undo()
+    assert out["choices"][0]["text"] == reference["choices"][0]["text"]
+    assert cached(out) == 0 and not asked and pulls(puller, "no_room") == no_room + 1
 
 
 def test_peer_not_allow_listed_is_refused(peers, smollm2):

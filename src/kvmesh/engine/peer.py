@@ -82,6 +82,11 @@ def prompt_token_ids(serving, path: str, raw_body: bytes) -> tuple[list[list[int
     return ids, req.cache_salt
 
 
+def device_room(core) -> int:
+    """Tokens the device's free blocks can take now (engine thread)."""
+    return core.kv.pool.num_free_blocks * core.kv.block_size
+
+
 class PeerPuller:
     """Pulls for one engine; `allowlist` holds the host:port peers it may contact."""
 
@@ -126,9 +131,16 @@ class PeerPuller:
         engine, metrics = self.bundle.engine, self.bundle.metrics
         rid = f"peer-{uuid.uuid4().hex}"
         probe = Request(rid, token_ids, SamplingParams(), cache_salt=cache_salt)
-        first, hashes = await engine.call(lambda core: core.local_prefix(probe))
+        first, hashes, room = await engine.call(
+            lambda core: (*core.local_prefix(probe), device_room(core))
+        )
         if first >= len(hashes):
             return 0  # this engine holds the whole prefix already
+        if room < len(token_ids):
+            # the device cannot hold this prompt now: imported blocks would only push out
+            # cached ones (or be pushed out) before the request runs, so move nothing
+            metrics.peer_pulls.labels(**metrics.labels, outcome="no_room").inc()
+            return 0
         body: dict = {"block_hashes": [h.hex() for h in hashes], "first_block": first}
         if self.wants_shm(peer):
             body["transport"] = "shm"
