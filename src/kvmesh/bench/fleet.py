@@ -63,7 +63,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="Run the emulated engines in slow motion: every step lasts K times its predicted "
         "time, arrivals and think times are stretched K times and measured times divided by K, "
-        "so a host too small for the fleet's token rate still measures it faithfully [1].",
+        "so a host too small for the fleet's token rate still measures it faithfully; below 1, "
+        "fast motion, for a long replay whose token rate the host has to spare [1].",
     )
     parser.add_argument(
         "--serve-args",
@@ -279,7 +280,7 @@ def main(args: argparse.Namespace) -> int:
         f"{wl.kind}: {desc['requests']} requests, {desc['sessions']} sessions, {mode}, "
         f"{len(given) or n} engines"
         + (f", slow motion x{scale:g}" if scale > 1 else "")
-        + (f", fast motion x{1 / scale:g}" if scale < 1 else "")
+        + (f", fast motion x{1 / scale:.3g}" if scale < 1 else "")
     )
     console.print(f"{title}; hit-rate ceiling {ceiling['hit_rate']:.3f}")
     rows: dict[str, dict] = {}
