@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import json
 import socket
+import subprocess
+import sys
 import threading
 import urllib.error
 import urllib.request
@@ -59,3 +61,15 @@ def loop_thread(start: Callable[[], Awaitable[T]], stop: Callable[[T], Awaitable
         asyncio.run_coroutine_threadsafe(stop(state["value"]), loop).result(timeout=30)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
+
+
+def run_quick_bench(command: str, out, result_file: str) -> dict:
+    """`kvmesh bench COMMAND --quick --out OUT` in a subprocess; its JSON result."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvmesh.cli", "bench", command, "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return json.loads((out / result_file).read_text())

@@ -189,6 +189,17 @@ def test_router_errors_and_metrics(tokenizer):
             assert name in text
 
 
+def test_requests_are_tried_when_no_endpoint_is_marked_healthy(tokenizer):
+    """Missed scrapes mark busy engines unhealthy all at once: requests still go to them (fail
+    open) while /health reports the state."""
+    with stack(tokenizer, n=2, events=False) as (url, router, fleet, _):
+        for e in router.pool.endpoints.values():
+            e.healthy, e.retry_at = False, float("inf")
+        code, _, raw = http(url + "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        assert code == 200 and json.loads(raw)["usage"]["completion_tokens"] == 2
+        assert http(url + "/health")[0] == 503
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_streaming_passes_through_unchanged(tokenizer, stream):
     with stack(tokenizer, n=2, events=False) as (url, router, fleet, _):

@@ -3,21 +3,11 @@ says (disk for sync and async, the device for the floor), and the stream was mea
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
+from tests.helpers import run_quick_bench
 
 
 def test_quick_tier_stall_bench(tmp_path):
-    out = tmp_path / "stall"
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvmesh.cli", "bench", "tier-stall", "--quick", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    data = json.loads((out / "tier_stall.json").read_text())
+    data = run_quick_bench("tier-stall", tmp_path / "stall", "tier_stall.json")
     full = (400 - 1) // 16 * 16
     modes = {t["mode"]: t for t in data["trials"]}
     assert set(modes) == {"sync", "async", "device"}

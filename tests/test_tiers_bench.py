@@ -2,21 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
+from tests.helpers import run_quick_bench
 
 
 def test_quick_tiers_bench(tmp_path):
-    out = tmp_path / "tiers"
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvmesh.cli", "bench", "tiers", "--quick", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    data = json.loads((out / "tiers.json").read_text())
+    data = run_quick_bench("tiers", tmp_path / "tiers", "tiers.json")
     n = data["settings"]["prompt_tokens"]
     full = (n - 1) // 16 * 16
     assert data["recomputed"]["cached_tokens"] == 0

@@ -145,7 +145,9 @@ class Router:
         return self.parser.scheduling_request(body, path, headers)
 
     def pick(self, req: SchedulingRequest, exclude: set[str]) -> SchedulingResult | None:
-        candidates = self.pool.candidates()
+        # fail open: with no endpoint marked healthy (missed scrapes of busy engines, say) try
+        # them all; a dead one fails before the first byte and the request moves on
+        candidates = self.pool.candidates() or list(self.pool.endpoints.values())
         if exclude:
             candidates = [e for e in candidates if e.name not in exclude]
         if not candidates:
