@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -191,13 +192,17 @@ def test_router_errors_and_metrics(tokenizer):
 
 def test_requests_are_tried_when_no_endpoint_is_marked_healthy(tokenizer):
     """Missed scrapes mark busy engines unhealthy all at once: requests still go to them (fail
-    open) while /health reports the state."""
+    open) while /health reports the state until an answer proves one alive."""
     with stack(tokenizer, n=2, events=False) as (url, router, fleet, _):
-        for e in router.pool.endpoints.values():
-            e.healthy, e.retry_at = False, float("inf")
+
+        async def missed(*endpoints) -> None:  # every scrape from now on goes unanswered
+            for e in endpoints:
+                e.mark_failure(time.monotonic())
+
+        router.pool.scrape = missed
+        wait_for(lambda: http(url + "/health")[0] == 503)
         code, _, raw = http(url + "/v1/completions", {"prompt": "hi", "max_tokens": 2})
         assert code == 200 and json.loads(raw)["usage"]["completion_tokens"] == 2
-        assert http(url + "/health")[0] == 503
 
 
 @pytest.mark.parametrize("stream", [True, False])
