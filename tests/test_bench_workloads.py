@@ -120,7 +120,7 @@ def test_trace_block_reuse_equals_hash_id_reuse(tokenizer) -> None:
 def test_command_line_builds_each_workload() -> None:
     import argparse
 
-    from kvmesh.bench import cli_args, loadgen
+    from kvmesh.bench import cli_args, workload_cmd
 
     for kind, flags in (
         ("agentic", ["--sessions", "2", "--turns", "2", "--fanout", "0"]),
@@ -130,7 +130,7 @@ def test_command_line_builds_each_workload() -> None:
         if kind == "trace" and not TRACE.exists():
             continue
         parser = argparse.ArgumentParser()
-        loadgen.add_args_workload(parser, kind)
+        workload_cmd.add_args_workload(parser, kind)
         wl = cli_args.build_workload(parser.parse_args(flags), kind)
         assert wl.kind == kind and wl.requests
     assert len(wl.requests) == 5

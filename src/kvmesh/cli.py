@@ -144,12 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
         )
         module.add_args(bp)
         bp.set_defaults(func=module.main)
-    from kvmesh.bench import loadgen
+    from kvmesh.bench import workload_cmd
 
     for kind, text in WORKLOAD_COMMANDS.items():
         bp = bench_sub.add_parser(kind, help=text, description=text)
-        loadgen.add_args_workload(bp, kind)
-        bp.set_defaults(func=loadgen.main_workload)
+        workload_cmd.add_args_workload(bp, kind)
+        bp.set_defaults(func=workload_cmd.main_workload)
     return parser
 
 

@@ -8,23 +8,19 @@ x-kvmesh-endpoint header), and the engines' /metrics counters before and after.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
-import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import aiohttp
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvmesh.bench import cli_args
 from kvmesh.bench.http_load import first_model
-from kvmesh.bench.workloads import VOCAB, Request, Workload, hit_ceiling
+from kvmesh.bench.workloads import VOCAB, Request, Workload
 
 ENDPOINT_HEADER = "x-kvmesh-endpoint"
 COUNTERS = {  # engine /metrics counters read before and after a run
@@ -360,55 +356,3 @@ def table(rows: list[tuple[str, dict]], ceiling: float, title: str) -> Table:
             str(s["errors"]),
         )
     return t
-
-
-def add_args_workload(parser: argparse.ArgumentParser, kind: str) -> None:
-    parser.add_argument(
-        "--url",
-        default="http://127.0.0.1:8000",
-        help="Base URL of the OpenAI-compatible server [http://127.0.0.1:8000].",
-    )
-    parser.add_argument(
-        "--engine-metrics",
-        default="",
-        help="Comma-separated engine base URLs whose /metrics are read before "
-        "and after (prefix hits, preemptions) [none].",
-    )
-    parser.add_argument("--out", default=f"bench-{kind}", help=f"Output folder [bench-{kind}].")
-    parser.add_argument("--kind", default=kind, help=argparse.SUPPRESS)
-    cli_args.add_workload_args(parser, (kind,))
-
-
-def main_workload(args: argparse.Namespace) -> int:
-    wl = cli_args.build_workload(args, args.kind)
-    engines = [u.strip().rstrip("/") for u in args.engine_metrics.split(",") if u.strip()]
-    console = Console() if sys.stdout.isatty() else Console(width=170)
-    console.print(f"{wl.kind}: {wl.describe()['requests']} requests against {args.url}")
-    with progress_bars(console) as progress:
-        result = asyncio.run(
-            run_workload(
-                args.url.rstrip("/"),
-                wl,
-                concurrency=args.concurrency,
-                engines=engines,
-                label=wl.kind,
-                progress=progress,
-                timeout_s=args.request_timeout,
-                prompt_format=args.prompt_format,
-            )
-        )
-    ceiling = hit_ceiling(wl.requests)
-    console.print(table([(args.url, result)], ceiling["hit_rate"], wl.kind))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{wl.kind}.json"
-    doc = {
-        "workload": wl.describe(),
-        "ceiling": ceiling,
-        "url": args.url,
-        "concurrency": args.concurrency,
-        "result": result,
-    }
-    path.write_text(json.dumps(doc, indent=1))
-    console.print(f"wrote {path}")
-    return 1 if result["errors"] == result["requests"] else 0
