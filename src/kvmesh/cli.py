@@ -124,6 +124,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(rp, RouterConfig, ROUTER_HELP)
     rp.set_defaults(func=cmd_router)
 
+    from kvmesh.sim import replay
+
+    sp = sub.add_parser(
+        "sim",
+        help="Replay a trace through routing policies on emulated engines in virtual time.",
+        description=(replay.__doc__ or "").strip(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    replay.add_args(sp)
+    sp.set_defaults(func=replay.main)
+
     bench = sub.add_parser(
         "bench",
         help="Benchmarks: each compares against its baseline in one run and writes JSON and plots.",

@@ -90,9 +90,12 @@ class EngineCore:
         out = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
         if not out.empty:
-            block_ids = {
-                s.request.request_id: self.kv.block_ids(s.request.request_id) for s in out.scheduled
-            }
+            block_ids = {}  # the runner's view of each request's blocks, when it reads them
+            if self.runner.reads_block_ids:
+                block_ids = {
+                    s.request.request_id: self.kv.block_ids(s.request.request_id)
+                    for s in out.scheduled
+                }
             sampled = self.runner.execute(out, block_ids)
             self.num_steps += 1
             now = time.monotonic()

@@ -26,6 +26,7 @@ class ModelRunner(abc.ABC):
     kv_bytes_per_block = 0  # KV bytes of one block across all layers (sizes offload tiers)
     waits_instead_of_computing = False  # True: execute() returns at once, the step lasts
     last_step_time = 0.0  # ... last_step_time seconds, which the driver waits out
+    reads_block_ids = True  # False: execute() ignores block_ids, so the core passes none
 
     @abc.abstractmethod
     def execute(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> SampledTokens:

@@ -31,6 +31,7 @@ TIER_BANDWIDTH = {"CPU": PCIE_BANDWIDTH, "DISK": NVME_BANDWIDTH}
 
 class EmulatedRunner(ModelRunner):
     waits_instead_of_computing = True  # the AsyncEngine drives it from the event loop
+    reads_block_ids = False  # no tensors: a step is its time, not its memory
 
     def __init__(
         self,

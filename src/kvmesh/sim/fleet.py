@@ -1,0 +1,227 @@
+"""A fleet in virtual time: the real router pipeline in front of real engine cores.
+
+Each engine is the engine core of `kvmesh serve --emulate` (scheduler, block pool, prefix cache,
+tiers, KV events) around an EmulatedRunner, stepped on a virtual clock instead of the event
+loop: a step that the roofline model says lasts 12 ms ends 12 virtual ms after it began, and
+nothing waits for it. The router is the real scheduling pipeline over `Endpoint` states kept
+as the HTTP router keeps them: queue gauges from a scrape every `scrape_interval`, in-flight
+counts and prefill backlog from its own forwards, the precise index from the engines' KV events
+(delivered when the step that made them ends) and the approximate index from its decisions.
+
+No HTTP, no sockets, no sleeping: a trace of an hour on four engines replays in minutes, so a
+policy can be tuned against a whole trace before a fleet run confirms it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+from dataclasses import dataclass, field, replace
+
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.core import EngineCore
+from kvmesh.engine.emulation.builder import EmulationConfig, build_emulated_engine
+from kvmesh.engine.sequence import Request as EngineRequest
+from kvmesh.engine.sequence import SamplingParams
+from kvmesh.protocol.kv_events import KVEventBatch
+from kvmesh.router.backlog import fill_matches, uncached_tokens
+from kvmesh.router.block_keys import BlockKeyCache
+from kvmesh.router.endpoints import Endpoint
+from kvmesh.router.index import ApproximateIndex, PreciseIndex
+from kvmesh.router.pipeline import Pipeline
+from kvmesh.router.plugins import SchedulingRequest
+
+NULL_EVENTS = json.dumps({"enable_kv_cache_events": True, "publisher": "null"})
+
+
+@dataclass(slots=True)
+class SimRequest:
+    """One request of the replay: its arrival (virtual s), prompt token ids and output length."""
+
+    rid: int
+    at: float
+    token_ids: list[int]
+    max_tokens: int
+    session: str = ""
+
+
+@dataclass(slots=True)
+class SimRecord:
+    """How one request went: where it ran, what hit, when its tokens came (virtual s)."""
+
+    rid: int
+    engine: int
+    arrival: float
+    prompt_tokens: int
+    cached_tokens: int = 0
+    first_token: float | None = None
+    finished: float | None = None
+    output_tokens: int = 0
+    best_known_tokens: int = 0  # the longest prefix the router knew on any engine at arrival
+    chosen_known_tokens: int = 0  # ... and on the engine it chose
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+
+@dataclass(slots=True)
+class _Engine:
+    core: EngineCore
+    endpoint: Endpoint
+    busy: bool = False  # a step is in flight (its end is on the event heap)
+    events: list = field(default_factory=list)  # KV events of the step in flight
+
+
+class _Policy:
+    """What `kvmesh.router.app.Router` offers its plugins: the two indexes."""
+
+    def __init__(self, index_capacity: int, approx_capacity: int) -> None:
+        self.precise_index = PreciseIndex(index_capacity)
+        self.approximate_index = ApproximateIndex(approx_capacity)
+
+
+@dataclass(slots=True)
+class FleetSimConfig:
+    engines: int = 4
+    scrape_interval: float = 0.1  # virtual seconds between the router's metric scrapes
+    index_capacity: int = 8_000_000
+    approx_capacity_per_endpoint: int = 31_250
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    emulation: EmulationConfig = field(default_factory=EmulationConfig)
+
+
+class FleetSim:
+    """Replays requests through one policy (a preset name or an EndpointPickerConfig YAML)."""
+
+    def __init__(self, config: FleetSimConfig, policy: str, tokenizer) -> None:
+        self.config = config
+        engine_config = replace(config.engine, kv_events_config=NULL_EVENTS)
+        self.state = _Policy(config.index_capacity, config.approx_capacity_per_endpoint)
+        self.pipeline = (
+            Pipeline.from_yaml(policy, self.state)
+            if "\n" in policy
+            else Pipeline.preset(policy, self.state)
+        )
+        self.block_size = engine_config.block_size
+        self.keys = BlockKeyCache(
+            self.block_size, engine_config.prefix_caching_hash_algo, 1 << 20, 16
+        )
+        self.engines: list[_Engine] = []
+        for i in range(config.engines):
+            bundle = build_emulated_engine(engine_config, config.emulation, tokenizer)
+            e = _Engine(bundle.engine.core, Endpoint(f"http://engine-{i}", name=f"engine-{i}"))
+            e.core.publish_events = e.events.extend
+            self.engines.append(e)
+        self.now = 0.0
+        self._heap: list = []
+        self._seq = itertools.count()
+        self.records: dict[str, SimRecord] = {}
+        self._charges: dict[str, tuple[int, int, int]] = {}  # rid -> (tokens, prefill, engine)
+
+    # ---- the event loop ------------------------------------------------------------------
+    def _push(self, t: float, kind: str, payload) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), kind, payload))
+
+    def run(self, requests: list[SimRequest], progress=None) -> list[SimRecord]:
+        for r in requests:
+            self._push(r.at, "arrive", r)
+        self._push(0.0, "scrape", None)
+        pending = len(requests)
+        while self._heap and pending:
+            self.now, _, kind, payload = heapq.heappop(self._heap)
+            if kind == "arrive":
+                self._arrive(payload)
+            elif kind == "step":
+                pending -= self._step_done(payload)
+                if progress is not None:
+                    progress(len(requests) - pending)
+            else:
+                self._scrape()
+                self._push(self.now + self.config.scrape_interval, "scrape", None)
+        return sorted(self.records.values(), key=lambda r: r.rid)
+
+    def _scrape(self) -> None:
+        for e in self.engines:
+            s = e.core.scheduler
+            e.endpoint.waiting, e.endpoint.running = s.num_waiting, s.num_running
+            e.endpoint.kv_usage = e.core.kv.usage
+
+    def _arrive(self, r: SimRequest) -> None:
+        headers = {"x-session-id": r.session} if r.session else {}
+        req = SchedulingRequest(
+            str(r.rid),
+            None,
+            r.token_ids,
+            self.keys.block_keys(r.token_ids),
+            headers,
+            self.block_size,
+        )
+        endpoints = [e.endpoint for e in self.engines]
+        result = self.pipeline.schedule(req, endpoints)
+        chosen = result.primary or self.engines[0].endpoint
+        i = next(k for k, e in enumerate(self.engines) if e.endpoint is chosen)
+        e = self.engines[i]
+        # the HTTP router's bookkeeping of a forward (router.handlers._forward)
+        fill_matches(req, endpoints, self.state.precise_index, self.state.approximate_index)
+        prefill = uncached_tokens(req, chosen.name)
+        n = len(r.token_ids)
+        best = max((n - uncached_tokens(req, ep.name) for ep in endpoints), default=0)
+        chosen.in_flight += 1
+        chosen.in_flight_tokens += len(r.token_ids)
+        chosen.pending_prefill_tokens += prefill
+        self._charges[req.request_id] = (len(r.token_ids), prefill, i)
+        if req.block_keys:
+            self.state.approximate_index.record(chosen.name, req.block_keys)
+        self.records[req.request_id] = SimRecord(
+            r.rid, i, self.now, n, best_known_tokens=best, chosen_known_tokens=n - prefill
+        )
+        sampling = SamplingParams(max_tokens=r.max_tokens, ignore_eos=True)
+        e.core.add_request(EngineRequest(req.request_id, r.token_ids, sampling))
+        if not e.busy:
+            self._start_step(i)
+
+    def _start_step(self, i: int) -> None:
+        e = self.engines[i]
+        runner = e.core.runner
+        runner.clock = max(runner.clock, self.now)  # idle time passes on the engine's clock
+        before = runner.clock
+        outputs = e.core.step()
+        dt = runner.clock - before
+        if dt <= 0 and not outputs:
+            e.busy = False  # nothing could run: the next arrival wakes it
+            self._deliver(e)
+            return
+        e.busy = True
+        self._push(self.now + dt, "step", (i, outputs))
+
+    def _deliver(self, e: _Engine) -> None:
+        if e.events:
+            self.state.precise_index.apply(e.endpoint.name, KVEventBatch(self.now, e.events))
+            e.events.clear()
+
+    def _step_done(self, payload) -> int:
+        i, outputs = payload
+        e = self.engines[i]
+        self._deliver(e)
+        finished = 0
+        for out in outputs:
+            rec = self.records[out.request_id]
+            tokens, prefill, _ = self._charges[out.request_id]
+            if rec.first_token is None:
+                rec.first_token = self.now
+                rec.cached_tokens = max(0, out.num_cached_tokens)
+                e.endpoint.pending_prefill_tokens -= prefill
+            rec.output_tokens = out.num_output_tokens
+            if out.finished:
+                rec.finished = self.now
+                e.endpoint.in_flight -= 1
+                e.endpoint.in_flight_tokens -= tokens
+                del self._charges[out.request_id]
+                finished += 1
+        if e.core.has_work():
+            self._start_step(i)
+        else:
+            e.busy = False
+        return finished

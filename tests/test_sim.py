@@ -1,0 +1,91 @@
+"""The fleet simulator: real engine cores and the real router pipeline on a virtual clock."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvmesh.bench.workloads import hit_ceiling as workload_ceiling
+from kvmesh.bench.workloads import mooncake
+from kvmesh.cli import main
+from kvmesh.engine.tokenizer import load_tokenizer
+from kvmesh.sim import replay
+from kvmesh.sim.fleet import FleetSim, SimRequest
+
+# two conversations (each turn extends the last) that share only block 0; their turns
+# interleave so that alternating engines breaks them up
+ROWS = [
+    {"timestamp": 0, "input_length": 1500, "output_length": 4, "hash_ids": [0, 1, 2]},
+    {"timestamp": 200, "input_length": 1200, "output_length": 4, "hash_ids": [0, 7, 8]},
+    {"timestamp": 2000, "input_length": 2500, "output_length": 4, "hash_ids": [0, 1, 2, 3, 4]},
+    {"timestamp": 4000, "input_length": 3000, "output_length": 4, "hash_ids": [0, 1, 2, 3, 4, 5]},
+    {"timestamp": 4300, "input_length": 2000, "output_length": 4, "hash_ids": [0, 7, 8, 9]},
+    {"timestamp": 6100, "input_length": 2600, "output_length": 4, "hash_ids": [0, 7, 8, 9, 10]},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(None)[0]
+
+
+@pytest.fixture
+def trace(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return str(path)
+
+
+def _config(serve_args: str = "", engines: int = 2):
+    return replay._configs(serve_args, engines, 0.1)
+
+
+def test_one_request_takes_the_modelled_step_times(tokenizer):
+    cfg = _config("--emulate-ttft-ms 50 --emulate-itl-ms 10", engines=1)
+    sim = FleetSim(cfg, "round-robin", tokenizer)
+    (rec,) = sim.run([SimRequest(0, 1.0, list(range(100)), 3)])
+    assert rec.ttft == pytest.approx(0.050)
+    assert rec.finished == pytest.approx(1.0 + 0.050 + 2 * 0.010)
+    assert rec.output_tokens == 3 and rec.cached_tokens == 0
+
+
+def test_prefix_aware_routing_follows_the_conversation(tokenizer, trace):
+    requests = replay.trace_requests(trace)
+    results = {}
+    for policy in ("round-robin", "kvmesh"):
+        records = FleetSim(_config(), policy, tokenizer).run(requests)
+        assert all(r.finished is not None for r in records)  # nothing lost
+        results[policy] = replay.summarize(records, 2)
+        if policy == "kvmesh":  # every later turn lands where its conversation's context is
+            for a, b in ((0, 2), (2, 3), (1, 4), (4, 5)):
+                assert records[a].engine == records[b].engine
+            # the second conversation shares only the first block: it starts on the idle engine
+            assert records[1].engine != records[0].engine
+            lost = [r.rid for r in records if r.chosen_known_tokens < r.best_known_tokens]
+            assert lost == [1]
+    ceiling = replay.hit_ceiling(requests, 16)
+    assert results["round-robin"]["hit_rate"] < results["kvmesh"]["hit_rate"] < ceiling
+    assert results["kvmesh"]["hit_rate"] == pytest.approx(ceiling - 512 / 12800, abs=0.005)
+    assert results["round-robin"]["lost_to_routing"] > 0.1
+
+
+def test_ceiling_agrees_with_the_benchmark_workload(trace):
+    sim = replay.hit_ceiling(replay.trace_requests(trace), 16)
+    bench = workload_ceiling(mooncake(trace).requests, 16)["hit_rate"]
+    assert sim == pytest.approx(bench, abs=1e-9)
+
+
+def test_cli_writes_a_table_and_json(trace, tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    rc = main(["sim", "--trace", trace, "--engines", "2", "--output", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert set(data["policies"]) == {"round-robin", "kvmesh"}
+    assert data["policies"]["kvmesh"]["requests"] == len(ROWS)
+    assert "hit" in capsys.readouterr().out
+
+
+def test_bad_serve_args_are_refused(trace, capsys):
+    assert main(["sim", "--trace", trace, "--serve-args", "--no-such-flag 3"]) == 2
+    assert "serve-args" in capsys.readouterr().err
