@@ -151,6 +151,20 @@ def test_bad_config_is_a_clear_error():
         Pipeline.from_yaml("schedulingProfiles: [{name: d, plugins: [{pluginRef: x}]}]", Indexes())
 
 
+def test_a_misspelt_parameter_is_refused_not_ignored():
+    bad = "plugins: [{type: prefix-cache-scorer, parameters: {matchTreshold: 0.5}}]"
+    with pytest.raises(ValueError, match="unknown parameter.*matchTreshold.*known: matchThreshold"):
+        Pipeline.from_yaml(bad, Indexes())
+    handler = """
+plugins: [{type: disagg-profile-handler, parameters: {nonCached: 64}}, {type: decode-filter}]
+schedulingProfiles: [{name: decode, plugins: [{pluginRef: decode-filter}]}]
+"""
+    with pytest.raises(ValueError, match="disagg-profile-handler: unknown parameter.*nonCached"):
+        Pipeline.from_yaml(handler, Indexes())
+    good = "plugins: [{type: prefix-cache-scorer, parameters: {matchThreshold: 0.5}}]"
+    assert Pipeline.from_yaml(good, Indexes()).plugins["prefix-cache-scorer"].threshold == 0.5
+
+
 async def test_endpoint_backoff_and_loss_after_repeated_failures():
     import aiohttp
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -13,8 +14,8 @@ from kvmesh.engine.tokenizer import load_tokenizer
 from kvmesh.sim import replay
 from kvmesh.sim.fleet import FleetSim, SimRequest
 
-# two conversations (each turn extends the last) that share only block 0; their turns
-# interleave so that alternating engines breaks them up
+# two conversations (each turn extends the last) that share only block 0, at light load; their
+# turns interleave so that alternating engines breaks them up
 ROWS = [
     {"timestamp": 0, "input_length": 1500, "output_length": 4, "hash_ids": [0, 1, 2]},
     {"timestamp": 200, "input_length": 1200, "output_length": 4, "hash_ids": [0, 7, 8]},
@@ -44,30 +45,37 @@ def _config(serve_args: str = "", engines: int = 2):
 def test_one_request_takes_the_modelled_step_times(tokenizer):
     cfg = _config("--emulate-ttft-ms 50 --emulate-itl-ms 10", engines=1)
     sim = FleetSim(cfg, "round-robin", tokenizer)
-    (rec,) = sim.run([SimRequest(0, 1.0, list(range(100)), 3)])
+    (rec,) = sim.run([SimRequest(0, 1.0, ((0, 100),), 3)])
     assert rec.ttft == pytest.approx(0.050)
     assert rec.finished == pytest.approx(1.0 + 0.050 + 2 * 0.010)
     assert rec.output_tokens == 3 and rec.cached_tokens == 0
 
 
+POLICIES = Path(__file__).parents[1] / "docs" / "policies"
+
+
 def test_prefix_aware_routing_follows_the_conversation(tokenizer, trace):
     requests = replay.trace_requests(trace)
-    results = {}
-    for policy in ("round-robin", "kvmesh"):
-        records = FleetSim(_config(), policy, tokenizer).run(requests)
-        assert all(r.finished is not None for r in records)  # nothing lost
-        results[policy] = replay.summarize(records, 2)
-        if policy == "kvmesh":  # every later turn lands where its conversation's context is
-            for a, b in ((0, 2), (2, 3), (1, 4), (4, 5)):
-                assert records[a].engine == records[b].engine
-            # the second conversation shares only the first block: it starts on the idle engine
-            assert records[1].engine != records[0].engine
-            lost = [r.rid for r in records if r.chosen_known_tokens < r.best_known_tokens]
-            assert lost == [1]
+    prefix_first = (POLICIES / "kvmesh-prefix-first.yaml").read_text()
+    runs = {}
+    for name, policy in (("rr", "round-robin"), ("kvmesh", "kvmesh"), ("first", prefix_first)):
+        runs[name] = FleetSim(_config(), policy, tokenizer).run(requests)
+        assert all(r.finished is not None for r in runs[name])  # nothing lost
+    for name in ("kvmesh", "first"):  # later turns land where their conversation's context is
+        for a, b in ((0, 2), (2, 3), (1, 4), (4, 5)):
+            assert runs[name][a].engine == runs[name][b].engine
+    # the preset places a request that shares only the system block as a new context, on the
+    # idle engine; the prefix-first policy follows even that block
+    assert runs["kvmesh"][1].engine != runs["kvmesh"][0].engine
+    lost = {n: [r.rid for r in rs if r.chosen_known_tokens < r.best_known_tokens]
+            for n, rs in runs.items()}  # fmt: skip
+    assert lost["kvmesh"] == [1] and lost["first"] == []
     ceiling = replay.hit_ceiling(requests, 16)
-    assert results["round-robin"]["hit_rate"] < results["kvmesh"]["hit_rate"] < ceiling
-    assert results["kvmesh"]["hit_rate"] == pytest.approx(ceiling - 512 / 12800, abs=0.005)
-    assert results["round-robin"]["lost_to_routing"] > 0.1
+    hit = {n: replay.summarize(rs, 2)["hit_rate"] for n, rs in runs.items()}
+    assert hit["rr"] < hit["kvmesh"] < hit["first"]
+    assert hit["first"] == pytest.approx(ceiling, abs=0.002)
+    assert hit["kvmesh"] == pytest.approx(ceiling - 512 / 12800, abs=0.005)
+    assert replay.summarize(runs["rr"], 2)["lost_to_routing"] > 0.1
 
 
 def test_ceiling_agrees_with_the_benchmark_workload(trace):
@@ -78,14 +86,31 @@ def test_ceiling_agrees_with_the_benchmark_workload(trace):
 
 def test_cli_writes_a_table_and_json(trace, tmp_path, capsys):
     out = tmp_path / "sim.json"
-    rc = main(["sim", "--trace", trace, "--engines", "2", "--output", str(out)])
+    policies = f"round-robin,kvmesh,{POLICIES / 'kvmesh-prefix-first.yaml'}"
+    argv = ["sim", "--trace", trace, "--engines", "2", "--policies", policies, "--jobs", "2"]
+    rc = main([*argv, "--output", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())
-    assert set(data["policies"]) == {"round-robin", "kvmesh"}
+    assert set(data["policies"]) == {"round-robin", "kvmesh", "kvmesh-prefix-first"}
     assert data["policies"]["kvmesh"]["requests"] == len(ROWS)
     assert "hit" in capsys.readouterr().out
+    assert (tmp_path / "sim.png").stat().st_size > 10_000
 
 
 def test_bad_serve_args_are_refused(trace, capsys):
     assert main(["sim", "--trace", trace, "--serve-args", "--no-such-flag 3"]) == 2
     assert "serve-args" in capsys.readouterr().err
+    assert main(["sim", "--trace", trace, "--policies", "kvmesh,nowhere.yaml"]) == 2
+    assert "no such policy file" in capsys.readouterr().err
+
+
+def test_a_seed_repeats_a_run(tokenizer, trace):
+    requests = replay.trace_requests(trace)
+
+    def engines(seed: int) -> list[int]:
+        cfg = replay._configs("", 4, 0.1, seed)
+        return [r.engine for r in FleetSim(cfg, "random", tokenizer).run(requests)]
+
+    runs = {seed: engines(seed) for seed in (1, 2, 3)}
+    assert engines(1) == runs[1]
+    assert len({tuple(v) for v in runs.values()}) > 1  # the seed is what decides

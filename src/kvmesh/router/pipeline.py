@@ -11,7 +11,13 @@ import yaml
 
 from kvmesh.router import backlog  # noqa: F401 - registers prefill-backlog-scorer
 from kvmesh.router.endpoints import Endpoint
-from kvmesh.router.plugins import REGISTRY, PluginContext, SchedulingRequest, build_plugin
+from kvmesh.router.plugins import (
+    REGISTRY,
+    PluginContext,
+    ReadParameters,
+    SchedulingRequest,
+    build_plugin,
+)
 
 PRESETS: dict[str, str] = {
     "round-robin": """
@@ -198,9 +204,11 @@ class Pipeline:
             self.profiles[profile.name] = profile
         if handler_spec and handler_spec[0] == "disagg-profile-handler":
             try:
-                self.handler = DisaggProfileHandler(self.profiles, ctx, handler_spec[1])
+                params = ReadParameters(handler_spec[1])
+                self.handler = DisaggProfileHandler(self.profiles, ctx, params)
             except KeyError as exc:
                 raise ValueError(f"disagg-profile-handler needs a profile named {exc}") from None
+            params.refuse_unread("disagg-profile-handler")
         else:
             self.handler = SingleProfileHandler(self.profiles)
 

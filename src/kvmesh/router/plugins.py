@@ -70,11 +70,37 @@ def register(type_name: str) -> Callable[[Factory], Factory]:
     return deco
 
 
+class ReadParameters(dict):
+    """A plugin's parameters that remember which keys its factory asked for, so that a
+    parameter nobody reads (a misspelt `matchThreshold`, say) is refused, not ignored."""
+
+    def __init__(self, params: dict | None) -> None:
+        super().__init__(params or {})
+        self.read: set[str] = set()
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def refuse_unread(self, what: str) -> None:
+        unread = sorted(set(self) - self.read)
+        if unread:
+            known = ", ".join(sorted(self.read)) or "none"
+            raise ValueError(f"{what}: unknown parameter(s) {', '.join(unread)}; known: {known}")
+
+
 def build_plugin(type_name: str, name: str, params: dict, ctx: PluginContext):
     factory = REGISTRY.get(type_name)
     if factory is None:
         raise ValueError(f"unknown plugin type {type_name!r}; known: {sorted(REGISTRY)}")
-    return factory(name, params or {}, ctx)
+    read = ReadParameters(params)
+    plugin = factory(name, read, ctx)
+    read.refuse_unread(f"plugin {name!r} ({type_name})")
+    return plugin
 
 
 def _spread(values: dict[str, float], higher_is_better: bool = False) -> dict[str, float]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import json
+import random
 from dataclasses import dataclass, field, replace
 
 from kvmesh.engine.config import EngineConfig
@@ -37,13 +38,22 @@ NULL_EVENTS = json.dumps({"enable_kv_cache_events": True, "publisher": "null"})
 
 @dataclass(slots=True)
 class SimRequest:
-    """One request of the replay: its arrival (virtual s), prompt token ids and output length."""
+    """One request of the replay: its arrival (virtual s), prompt and output length. The prompt
+    is runs of consecutive token ids, (first id, count), so that a trace of 12k requests of 12k
+    tokens holds kilobytes until a request arrives, not gigabytes."""
 
     rid: int
     at: float
-    token_ids: list[int]
+    prompt: tuple[tuple[int, int], ...]
     max_tokens: int
     session: str = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.prompt)
+
+    def token_ids(self) -> list[int]:
+        return [t for first, n in self.prompt for t in range(first, first + n)]
 
 
 @dataclass(slots=True)
@@ -88,6 +98,7 @@ class FleetSimConfig:
     scrape_interval: float = 0.1  # virtual seconds between the router's metric scrapes
     index_capacity: int = 8_000_000
     approx_capacity_per_endpoint: int = 31_250
+    seed: int = 0  # seeds the pickers' random tie-breaks: one seed, one outcome
     engine: EngineConfig = field(default_factory=EngineConfig)
     emulation: EmulationConfig = field(default_factory=EmulationConfig)
 
@@ -104,6 +115,12 @@ class FleetSim:
             if "\n" in policy
             else Pipeline.preset(policy, self.state)
         )
+        for plugin in self.pipeline.plugins.values():  # random tie-breaks repeat with the seed
+            if isinstance(getattr(plugin, "rng", None), random.Random):
+                plugin.rng.seed(config.seed)
+        for profile in self.pipeline.profiles.values():
+            if isinstance(getattr(profile.picker, "rng", None), random.Random):
+                profile.picker.rng.seed(config.seed)
         self.block_size = engine_config.block_size
         self.keys = BlockKeyCache(
             self.block_size, engine_config.prefix_caching_hash_algo, 1 << 20, 16
@@ -150,13 +167,9 @@ class FleetSim:
 
     def _arrive(self, r: SimRequest) -> None:
         headers = {"x-session-id": r.session} if r.session else {}
+        token_ids = r.token_ids()
         req = SchedulingRequest(
-            str(r.rid),
-            None,
-            r.token_ids,
-            self.keys.block_keys(r.token_ids),
-            headers,
-            self.block_size,
+            str(r.rid), None, token_ids, self.keys.block_keys(token_ids), headers, self.block_size
         )
         endpoints = [e.endpoint for e in self.engines]
         result = self.pipeline.schedule(req, endpoints)
@@ -166,19 +179,19 @@ class FleetSim:
         # the HTTP router's bookkeeping of a forward (router.handlers._forward)
         fill_matches(req, endpoints, self.state.precise_index, self.state.approximate_index)
         prefill = uncached_tokens(req, chosen.name)
-        n = len(r.token_ids)
+        n = len(token_ids)
         best = max((n - uncached_tokens(req, ep.name) for ep in endpoints), default=0)
         chosen.in_flight += 1
-        chosen.in_flight_tokens += len(r.token_ids)
+        chosen.in_flight_tokens += len(token_ids)
         chosen.pending_prefill_tokens += prefill
-        self._charges[req.request_id] = (len(r.token_ids), prefill, i)
+        self._charges[req.request_id] = (len(token_ids), prefill, i)
         if req.block_keys:
             self.state.approximate_index.record(chosen.name, req.block_keys)
         self.records[req.request_id] = SimRecord(
             r.rid, i, self.now, n, best_known_tokens=best, chosen_known_tokens=n - prefill
         )
         sampling = SamplingParams(max_tokens=r.max_tokens, ignore_eos=True)
-        e.core.add_request(EngineRequest(req.request_id, r.token_ids, sampling))
+        e.core.add_request(EngineRequest(req.request_id, token_ids, sampling))
         if not e.busy:
             self._start_step(i)
 

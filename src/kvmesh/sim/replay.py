@@ -16,6 +16,7 @@ import json
 import shlex
 import sys
 import time
+from pathlib import Path
 
 from kvmesh.sim.fleet import FleetSim, FleetSimConfig, SimRecord, SimRequest
 
@@ -40,17 +41,17 @@ def trace_requests(
     out = []
     for rid, row in enumerate(rows):
         n = int(row["input_length"])
-        ids: list[int] = []
+        prompt: list[tuple[int, int]] = []
         for j, h in enumerate(row["hash_ids"]):
             take = min(TRACE_BLOCK, n - j * TRACE_BLOCK)
             if take <= 0:
                 break
-            ids.extend(range(h * TRACE_BLOCK, h * TRACE_BLOCK + take))
-        if n > len(ids):
-            base = _TAIL_BASE + (start + rid) * (1 << 20)
-            ids.extend(range(base, base + n - len(ids)))
+            prompt.append((h * TRACE_BLOCK, take))
+        covered = sum(k for _, k in prompt)
+        if n > covered:
+            prompt.append((_TAIL_BASE + (start + rid) * (1 << 20), n - covered))
         at = (row["timestamp"] - t0) / 1000 * time_scale
-        out.append(SimRequest(rid, at, ids, max(1, int(row["output_length"]))))
+        out.append(SimRequest(rid, at, tuple(prompt), max(1, int(row["output_length"]))))
     return out
 
 
@@ -60,7 +61,8 @@ def hit_ceiling(requests: list[SimRequest], block_size: int) -> float:
     seen: set[int] = set()
     hit = total = 0
     for r in requests:
-        ids, n = r.token_ids, len(r.token_ids)
+        ids = r.token_ids()
+        n = len(ids)
         total += n
         keys, parent = [], 0
         for k in range(0, n - block_size + 1, block_size):
@@ -131,10 +133,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help='Engine flags as for `kvmesh serve --emulate`, e.g. "--kv-offloading-size 256".',
     )
     p.add_argument("--scrape-interval", type=float, default=0.1, help="Router scrape period, s.")
-    p.add_argument("--output", default="", help="Write the results as JSON here.")
+    p.add_argument(
+        "--seed", type=int, default=0, help="Seed of the pickers' tie-breaks [default: 0]."
+    )
+    p.add_argument(
+        "--jobs", type=int, default=1, help="Policies replayed at once, one process each [1]."
+    )
+    p.add_argument(
+        "--output", default="", help="Write the results as JSON here, and a PNG beside it."
+    )
 
 
-def _configs(serve_args: str, engines: int, scrape: float) -> FleetSimConfig:
+def _configs(serve_args: str, engines: int, scrape: float, seed: int = 0) -> FleetSimConfig:
     from kvmesh.cli import build_parser
     from kvmesh.commands.flags import config_from_args
     from kvmesh.engine.config import EngineConfig
@@ -147,53 +157,88 @@ def _configs(serve_args: str, engines: int, scrape: float) -> FleetSimConfig:
     return FleetSimConfig(
         engines=engines,
         scrape_interval=scrape,
+        seed=seed,
         engine=config_from_args(EngineConfig, args),
         emulation=config_from_args(EmulationConfig, args),
     )
 
 
-def main(args: argparse.Namespace) -> int:
+def run_policy(
+    config: FleetSimConfig, spec: str, trace: tuple, progress: bool = False
+) -> tuple[str, dict, list[SimRecord]]:
+    """One policy over the trace on a fresh fleet: (label, summary, records). `trace` holds
+    trace_requests' arguments, so a worker process reads the trace itself."""
+    from tqdm import tqdm
+
     from kvmesh.engine.tokenizer import load_tokenizer
 
+    name = policy = spec
+    if spec.endswith((".yaml", ".yml")):  # an EndpointPickerConfig, labelled by its stem
+        with open(spec) as f:
+            policy = f.read()
+        name = Path(spec).stem
+    requests = trace_requests(*trace)
+    sim = FleetSim(config, policy, load_tokenizer(config.engine.model)[0])
+    t0 = time.perf_counter()
+    show = progress and sys.stderr.isatty()
+    with tqdm(
+        total=len(requests), desc=name, unit="req", leave=False, mininterval=5, disable=not show
+    ) as bar:
+        records = sim.run(requests, lambda n: bar.update(n - bar.n))
+    summary = summarize(records, config.engines)
+    summary["sim_wall_s"] = round(time.perf_counter() - t0, 1)
+    return name, summary, records
+
+
+def _print_row(name: str, s: dict) -> None:
+    print(
+        f"{name:>14}  hit {s['hit_rate']:.3f}  TTFT p50/p90/p99 {s['ttft_ms_p50']:.0f}/"
+        f"{s['ttft_ms_p90']:.0f}/{s['ttft_ms_p99']:.0f} ms  out {s['output_tok_s']:.0f} tok/s"
+        f"  load max/mean {s['load_max_mean']:.2f}  lost to routing {s['lost_to_routing']:.3f}"
+        f"  ({s['sim_wall_s']:.0f} s)",
+        flush=True,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
     try:
-        config = _configs(args.serve_args, args.engines, args.scrape_interval)
+        config = _configs(args.serve_args, args.engines, args.scrape_interval, args.seed)
     except (ValueError, SystemExit) as exc:
         print(f"kvmesh sim: bad --serve-args: {exc}", file=sys.stderr)
         return 2
-    requests = trace_requests(args.trace, args.limit, args.start, args.time_scale)
+    specs = [p for p in args.policies.split(",") if p]
+    for spec in specs:
+        if spec.endswith((".yaml", ".yml")) and not Path(spec).is_file():
+            print(f"kvmesh sim: no such policy file {spec}", file=sys.stderr)
+            return 2
+    trace = (args.trace, args.limit, args.start, args.time_scale)
+    requests = trace_requests(*trace)
     ceiling = hit_ceiling(requests, config.engine.block_size)
-    print(f"{len(requests)} requests, {args.engines} engines; hit-rate ceiling {ceiling:.3f}")
-    tokenizer, _ = load_tokenizer(config.engine.model)
-    results = {"ceiling": round(ceiling, 4), "policies": {}}
-    from tqdm import tqdm
+    del requests
+    print(
+        f"{args.limit or 'all'} requests of {args.trace}, {args.engines} engines; "
+        f"hit-rate ceiling {ceiling:.3f}"
+    )
+    results: dict = {"ceiling": round(ceiling, 4), "policies": {}}
+    runs: dict[str, list[SimRecord]] = {}
+    if args.jobs > 1 and len(specs) > 1:
+        from concurrent.futures import ProcessPoolExecutor
 
-    for name in [p for p in args.policies.split(",") if p]:
-        policy = name
-        if name.endswith((".yaml", ".yml")):
-            with open(name) as f:
-                policy = f.read()
-        sim = FleetSim(config, policy, tokenizer)
-        t0 = time.perf_counter()
-        with tqdm(
-            total=len(requests),
-            desc=name,
-            unit="req",
-            leave=False,
-            mininterval=5,
-            disable=not sys.stderr.isatty(),
-        ) as bar:
-            records = sim.run(requests, lambda n: bar.update(n - bar.n))
-        s = summarize(records, args.engines)
-        s["sim_wall_s"] = round(time.perf_counter() - t0, 1)
-        results["policies"][name] = s
-        print(
-            f"{name:>14}  hit {s['hit_rate']:.3f}  TTFT p50/p90/p99 {s['ttft_ms_p50']:.0f}/"
-            f"{s['ttft_ms_p90']:.0f}/{s['ttft_ms_p99']:.0f} ms  out {s['output_tok_s']:.0f} tok/s"
-            f"  load max/mean {s['load_max_mean']:.2f}  lost to routing {s['lost_to_routing']:.3f}"
-            f"  ({s['sim_wall_s']:.0f} s)",
-            flush=True,
-        )
+        with ProcessPoolExecutor(min(args.jobs, len(specs))) as pool:
+            futures = [pool.submit(run_policy, config, spec, trace) for spec in specs]
+            done = [f.result() for f in futures]
+    else:
+        done = (run_policy(config, spec, trace, progress=True) for spec in specs)
+    for name, summary, records in done:
+        _print_row(name, summary)
+        results["policies"][name] = summary
+        runs[name] = records
     if args.output:
         with open(args.output, "w") as f:
             json.dump(results, f, indent=1)
+        from kvmesh.sim.plot import plot_policies
+
+        png = args.output.removesuffix(".json") + ".png"
+        plot_policies(png, runs, results["policies"], ceiling)
+        print(f"wrote {args.output} and {png}")
     return 0
