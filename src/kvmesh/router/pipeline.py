@@ -11,13 +11,8 @@ import yaml
 
 from kvmesh.router import backlog  # noqa: F401 - registers prefill-backlog-scorer
 from kvmesh.router.endpoints import Endpoint
-from kvmesh.router.plugins import (
-    REGISTRY,
-    PluginContext,
-    ReadParameters,
-    SchedulingRequest,
-    build_plugin,
-)
+from kvmesh.router.plugin_params import ReadParameters
+from kvmesh.router.plugins import REGISTRY, PluginContext, SchedulingRequest, build_plugin
 
 PRESETS: dict[str, str] = {
     "round-robin": """
