@@ -114,3 +114,30 @@ def test_a_seed_repeats_a_run(tokenizer, trace):
     runs = {seed: engines(seed) for seed in (1, 2, 3)}
     assert engines(1) == runs[1]
     assert len({tuple(v) for v in runs.values()}) > 1  # the seed is what decides
+
+
+def test_agentic_turns_wait_for_the_turn_they_follow(tokenizer):
+    from kvmesh.bench.workloads import agentic
+    from kvmesh.sim.requests import workload_requests
+
+    wl = agentic(sessions=3, turns=3, repos=1, repo_tokens=800, tool_tokens=200, seed=5)
+    requests = workload_requests(wl)
+    records = FleetSim(_config(), "kvmesh", tokenizer).run(requests)
+    by_rid = {r.rid: r for r in records}
+    assert all(r.finished is not None for r in records)
+    for req in requests:  # closed loop: a turn arrives its think time after its deps end
+        if req.deps:
+            last = max(by_rid[d].finished for d in req.deps)
+            assert by_rid[req.rid].arrival == pytest.approx(last + req.delay)
+        else:
+            assert by_rid[req.rid].arrival == pytest.approx(req.at)
+    # the segments the benchmark's prompts share are shared token runs: the same ceiling
+    bench = workload_ceiling(wl.requests, 16)["hit_rate"]
+    assert replay.hit_ceiling(requests, 16) == pytest.approx(bench, abs=1e-9)
+
+
+def test_cli_runs_the_agentic_workload(capsys):
+    argv = ["sim", "--workload", "agentic", "--sessions", "4", "--turns", "2", "--engines", "2"]
+    assert main([*argv, "--policies", "round-robin,kvmesh"]) == 0
+    out = capsys.readouterr().out
+    assert "of the agentic workload, 2 engines" in out and out.count("hit 0.") == 2

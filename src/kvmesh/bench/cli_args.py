@@ -55,6 +55,16 @@ _ARGS: dict[str, list[tuple[str, type, str, str]]] = {
 }
 
 
+def add_workload_params(group, kinds: tuple[str, ...]) -> None:
+    """The generator parameters of the given kinds (a flag shared by two kinds appears once)."""
+    seen: set[str] = set()
+    for kind in kinds:
+        for flag, typ, _, text in _ARGS[kind]:
+            if flag not in seen:
+                seen.add(flag)
+                group.add_argument(flag, type=typ, default=None, help=text)
+
+
 def add_workload_args(parser: argparse.ArgumentParser, kinds: tuple[str, ...] = KINDS) -> None:
     """The parameters of the given workload kinds (a flag shared by two kinds appears once)."""
     if len(kinds) > 1:
@@ -62,12 +72,7 @@ def add_workload_args(parser: argparse.ArgumentParser, kinds: tuple[str, ...] = 
             "--workload", choices=kinds, default=kinds[0], help=f"Workload to run [{kinds[0]}]."
         )
     group = parser.add_argument_group("workload")
-    seen: set[str] = set()
-    for kind in kinds:
-        for flag, typ, _, text in _ARGS[kind]:
-            if flag not in seen:
-                seen.add(flag)
-                group.add_argument(flag, type=typ, default=None, help=text)
+    add_workload_params(group, kinds)
     group.add_argument("--seed", type=int, default=0, help="Workload seed [0].")
     load = parser.add_argument_group("load")
     load.add_argument(

@@ -18,6 +18,7 @@ import heapq
 import itertools
 import json
 import random
+from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
 from kvmesh.engine.config import EngineConfig
@@ -46,7 +47,9 @@ class SimRequest:
     at: float
     prompt: tuple[tuple[int, int], ...]
     max_tokens: int
-    session: str = ""
+    session: str = ""  # x-session-id
+    deps: tuple[int, ...] = ()  # rids that must finish first (a session's previous turn)
+    delay: float = 0.0  # think / tool time after the deps finish, virtual s
 
     @property
     def num_tokens(self) -> int:
@@ -136,14 +139,23 @@ class FleetSim:
         self._seq = itertools.count()
         self.records: dict[str, SimRecord] = {}
         self._charges: dict[str, tuple[int, int, int]] = {}  # rid -> (tokens, prefill, engine)
+        self._deps_left: dict[int, int] = {}  # rid -> its deps not finished yet
+        self._dependents: dict[int, list[SimRequest]] = defaultdict(list)
 
     # ---- the event loop ------------------------------------------------------------------
     def _push(self, t: float, kind: str, payload) -> None:
         heapq.heappush(self._heap, (t, next(self._seq), kind, payload))
 
     def run(self, requests: list[SimRequest], progress=None) -> list[SimRecord]:
+        """Every request, each arriving at its time or, with deps, `delay` after the last of
+        them finishes (a closed-loop session: the next turn follows the answer)."""
         for r in requests:
-            self._push(r.at, "arrive", r)
+            if r.deps:
+                self._deps_left[r.rid] = len(r.deps)
+                for d in r.deps:
+                    self._dependents[d].append(r)
+            else:
+                self._push(r.at + r.delay, "arrive", r)
         self._push(0.0, "scrape", None)
         pending = len(requests)
         while self._heap and pending:
@@ -233,6 +245,10 @@ class FleetSim:
                 e.endpoint.in_flight_tokens -= tokens
                 del self._charges[out.request_id]
                 finished += 1
+                for nxt in self._dependents.pop(rec.rid, ()):
+                    self._deps_left[nxt.rid] -= 1
+                    if not self._deps_left[nxt.rid]:
+                        self._push(self.now + nxt.delay, "arrive", nxt)
         if e.core.has_work():
             self._start_step(i)
         else:

@@ -1,4 +1,5 @@
-"""`kvmesh sim`: replay a Mooncake-format trace through routing policies in virtual time.
+"""`kvmesh sim`: replay a Mooncake-format trace, or run the agentic or shared-prefix workload,
+through routing policies in virtual time.
 
 Every policy sees the same requests on a fresh fleet of emulated engines (the real engine core,
 a roofline step time, no HTTP), and the table compares them: hit rate against the trace's
@@ -7,6 +8,8 @@ measures over HTTP, in a fraction of its time.
 
   kvmesh sim --trace ../shared/traces/mooncake_conversation_trace.jsonl --engines 4 \\
       --policies round-robin,kvmesh
+  kvmesh sim --workload agentic --engines 8 --sessions 32 --repos 16 --repo-tokens 6000 \\
+      --tool-tokens 1200 --turns 12 --session-rate 0.8 --policies round-robin,kvmesh
 """
 
 from __future__ import annotations
@@ -18,62 +21,14 @@ import sys
 import time
 from pathlib import Path
 
-from kvmesh.sim.fleet import FleetSim, FleetSimConfig, SimRecord, SimRequest
-
-TRACE_BLOCK = 512  # Mooncake hash_ids cover 512-token blocks
-_TAIL_BASE = 1 << 40  # token ids of unshared tails start here, clear of every block's ids
-
-
-def trace_requests(
-    path: str, limit: int = 0, start: int = 0, time_scale: float = 1.0
-) -> list[SimRequest]:
-    """Block h of the trace is token ids h*512 .. h*512+511 wherever it appears (cut to the
-    input length in a prompt's last block), so the prefix reuse is exactly the trace's."""
-    rows = []
-    with open(path) as f:
-        for i, line in enumerate(f):
-            if i < start or not line.strip():
-                continue
-            if limit and len(rows) >= limit:
-                break
-            rows.append(json.loads(line))
-    t0 = rows[0]["timestamp"] if rows else 0
-    out = []
-    for rid, row in enumerate(rows):
-        n = int(row["input_length"])
-        prompt: list[tuple[int, int]] = []
-        for j, h in enumerate(row["hash_ids"]):
-            take = min(TRACE_BLOCK, n - j * TRACE_BLOCK)
-            if take <= 0:
-                break
-            prompt.append((h * TRACE_BLOCK, take))
-        covered = sum(k for _, k in prompt)
-        if n > covered:
-            prompt.append((_TAIL_BASE + (start + rid) * (1 << 20), n - covered))
-        at = (row["timestamp"] - t0) / 1000 * time_scale
-        out.append(SimRequest(rid, at, tuple(prompt), max(1, int(row["output_length"]))))
-    return out
-
-
-def hit_ceiling(requests: list[SimRequest], block_size: int) -> float:
-    """An infinite cache on one engine: leading full blocks seen in an earlier prompt (at most
-    (n - 1) // block_size of an n-token prompt, as vLLM). A block is known by its whole prefix."""
-    seen: set[int] = set()
-    hit = total = 0
-    for r in requests:
-        ids = r.token_ids()
-        n = len(ids)
-        total += n
-        keys, parent = [], 0
-        for k in range(0, n - block_size + 1, block_size):
-            parent = hash((parent, tuple(ids[k : k + block_size])))
-            keys.append(parent)
-        run, limit = 0, (n - 1) // block_size
-        while run < limit and keys[run] in seen:
-            run += 1
-        hit += run * block_size
-        seen.update(keys)
-    return hit / total if total else 0.0
+from kvmesh.bench.cli_args import DEFAULT_TRACE, add_workload_params, build_workload
+from kvmesh.sim.fleet import FleetSim, FleetSimConfig, SimRecord
+from kvmesh.sim.requests import (  # noqa: F401 - trace_requests is this module's API too
+    hit_ceiling,
+    load_requests,
+    trace_requests,
+    workload_requests,
+)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -111,7 +66,16 @@ def summarize(records: list[SimRecord], engines: int) -> dict:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trace", required=True, help="Mooncake-format JSONL trace.")
+    p.add_argument(
+        "--workload",
+        choices=("trace", "agentic", "shared-prefix"),
+        default="trace",
+        help="Replay --trace, or generate the benchmark workload of that name from the flags "
+        "below, as `kvmesh bench fleet --workload` does [default: trace].",
+    )
+    p.add_argument(
+        "--trace", default=DEFAULT_TRACE, help=f"Mooncake-format JSONL trace [{DEFAULT_TRACE}]."
+    )
     p.add_argument("--engines", type=int, default=4, help="Emulated engines [default: 4].")
     p.add_argument(
         "--policies",
@@ -134,7 +98,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--scrape-interval", type=float, default=0.1, help="Router scrape period, s.")
     p.add_argument(
-        "--seed", type=int, default=0, help="Seed of the pickers' tie-breaks [default: 0]."
+        "--seed",
+        type=int,
+        default=0,
+        help="Seed of the pickers' tie-breaks and of a generated workload [default: 0].",
     )
     p.add_argument(
         "--jobs", type=int, default=1, help="Policies replayed at once, one process each [1]."
@@ -142,6 +109,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--output", default="", help="Write the results as JSON here, and a PNG beside it."
     )
+    add_workload_params(p.add_argument_group("workload"), ("agentic", "shared-prefix"))
 
 
 def _configs(serve_args: str, engines: int, scrape: float, seed: int = 0) -> FleetSimConfig:
@@ -164,10 +132,10 @@ def _configs(serve_args: str, engines: int, scrape: float, seed: int = 0) -> Fle
 
 
 def run_policy(
-    config: FleetSimConfig, spec: str, trace: tuple, progress: bool = False
+    config: FleetSimConfig, spec: str, source: tuple | list, progress: bool = False
 ) -> tuple[str, dict, list[SimRecord]]:
-    """One policy over the trace on a fresh fleet: (label, summary, records). `trace` holds
-    trace_requests' arguments, so a worker process reads the trace itself."""
+    """One policy over the requests (see `load_requests`) on a fresh fleet: (label, summary,
+    records)."""
     from tqdm import tqdm
 
     from kvmesh.engine.tokenizer import load_tokenizer
@@ -177,7 +145,7 @@ def run_policy(
         with open(spec) as f:
             policy = f.read()
         name = Path(spec).stem
-    requests = trace_requests(*trace)
+    requests = load_requests(source)
     sim = FleetSim(config, policy, load_tokenizer(config.engine.model)[0])
     t0 = time.perf_counter()
     show = progress and sys.stderr.isatty()
@@ -211,24 +179,29 @@ def main(args: argparse.Namespace) -> int:
         if spec.endswith((".yaml", ".yml")) and not Path(spec).is_file():
             print(f"kvmesh sim: no such policy file {spec}", file=sys.stderr)
             return 2
-    trace = (args.trace, args.limit, args.start, args.time_scale)
-    requests = trace_requests(*trace)
+    if args.workload == "trace":
+        if not Path(args.trace).is_file():
+            print(f"kvmesh sim: no such trace {args.trace}", file=sys.stderr)
+            return 2
+        source: tuple | list = (args.trace, args.limit, args.start, args.time_scale)
+        what = f"{args.limit or 'all'} requests of {args.trace}"
+    else:
+        source = workload_requests(build_workload(args, args.workload))
+        what = f"{len(source)} requests of the {args.workload} workload"
+    requests = load_requests(source)
     ceiling = hit_ceiling(requests, config.engine.block_size)
     del requests
-    print(
-        f"{args.limit or 'all'} requests of {args.trace}, {args.engines} engines; "
-        f"hit-rate ceiling {ceiling:.3f}"
-    )
+    print(f"{what}, {args.engines} engines; hit-rate ceiling {ceiling:.3f}")
     results: dict = {"ceiling": round(ceiling, 4), "policies": {}}
     runs: dict[str, list[SimRecord]] = {}
     if args.jobs > 1 and len(specs) > 1:
         from concurrent.futures import ProcessPoolExecutor
 
         with ProcessPoolExecutor(min(args.jobs, len(specs))) as pool:
-            futures = [pool.submit(run_policy, config, spec, trace) for spec in specs]
+            futures = [pool.submit(run_policy, config, spec, source) for spec in specs]
             done = [f.result() for f in futures]
     else:
-        done = (run_policy(config, spec, trace, progress=True) for spec in specs)
+        done = (run_policy(config, spec, source, progress=True) for spec in specs)
     for name, summary, records in done:
         _print_row(name, summary)
         results["policies"][name] = summary
