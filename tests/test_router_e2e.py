@@ -20,12 +20,16 @@ from tests.helpers import free_port, http, loop_thread
 
 
 @contextlib.contextmanager
-def stack(tokenizer, n: int = 3, preset: str = "kvmesh", events: bool = True, **emu):
+def stack(
+    tokenizer, n: int = 3, preset: str = "kvmesh", events: bool = True, max_num_seqs=None, **emu
+):
     """n emulated engines (KV events over ipc://) and a router, on one event-loop thread."""
     emu.setdefault("emulate_ttft_ms", 30.0)
     emu.setdefault("emulate_itl_ms", 5.0)
     tmp = tempfile.mkdtemp()
     engine_kw = {"num_gpu_blocks": 2048}
+    if max_num_seqs:
+        engine_kw["max_num_seqs"] = max_num_seqs
     if events:
         engine_kw["kv_events_config"] = json.dumps(
             {
@@ -110,7 +114,10 @@ def test_distinct_sessions_spread_and_each_sticks(tokenizer):
 
 
 def test_load_spreads_when_an_engine_saturates(tokenizer):
-    with stack(tokenizer, n=3, preset="kvmesh", emulate_itl_ms=20.0) as (url, router, fleet, _):
+    """Batches of 4: the engine that holds the shared prefix fills its batch and queues, and
+    a request waiting there costs more than computing the prefix elsewhere."""
+    saturating = stack(tokenizer, n=3, preset="kvmesh", max_num_seqs=4, emulate_itl_ms=20.0)
+    with saturating as (url, router, fleet, _):
         system = {"role": "system", "content": "Shared prefix for everyone. " * 60}
 
         def one(i: int) -> str:

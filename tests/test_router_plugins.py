@@ -67,6 +67,33 @@ def test_prefill_backlog_follows_the_holder_until_its_queue_costs_more():
         score("prefill-backlog-scorer", e, params={"scaleTokens": 0})
 
 
+def test_placement_cost_prices_the_recompute_and_the_batch_it_stalls():
+    """Cost = pending prefill + uncached tokens x (1 + decodeWeight x requests in flight);
+    scored (best + n) / (cost + n) for an n-token prompt. A 64-token prompt, 3 of its 4 blocks
+    cached on a, nothing on b or c."""
+    ctx = Indexes(precise={"a": 3.0})
+    e = eps(a=(0, 0, 1), b=(0, 0, 0), c=(0, 0, 3))
+    got = score("placement-cost-scorer", e, ctx=ctx)
+    # costs 16 x 2 = 32, 64 x 1 = 64, 64 x 4 = 256: the holder of the context wins
+    assert got == {"a": 1.0, "b": pytest.approx(96 / 128), "c": pytest.approx(96 / 320)}
+    e[0].in_flight = 7  # a's batch is now so large that recomputing on idle b stalls less
+    got = score("placement-cost-scorer", e, ctx=ctx)
+    assert got == {"a": pytest.approx(128 / 192), "b": 1.0, "c": pytest.approx(128 / 320)}
+    e[1].pending_prefill_tokens = 200  # ... unless b has much prefill queued
+    got = score("placement-cost-scorer", e, ctx=ctx)
+    assert got["a"] == 1.0 and got["b"] == pytest.approx(192 / 328)
+    got = score("placement-cost-scorer", e, ctx=ctx, params={"decodeWeight": 0})
+    assert got["a"] == 1.0 and got["c"] == pytest.approx(80 / 128)  # the wait alone: 16 vs 64
+    e[1].pending_prefill_tokens = 0
+    e[0].waiting = 2  # a's batch is full: two requests wait for a slot, each a whole prompt
+    got = score("placement-cost-scorer", e, ctx=ctx, params={"decodeWeight": 0})
+    assert got["b"] == 1.0 and got["a"] == pytest.approx(128 / (16 + 128 + 64))
+    with pytest.raises(ValueError, match="decodeWeight"):
+        score("placement-cost-scorer", e, params={"decodeWeight": -1})
+    with pytest.raises(ValueError, match="waitingWeight"):
+        score("placement-cost-scorer", e, params={"waitingWeight": -0.5})
+
+
 def test_active_request_and_token_load():
     e = eps(a=(0, 0, 2), b=(0, 0, 6))
     assert score("active-request-scorer", e) == {"a": 1.0, "b": 0.0}

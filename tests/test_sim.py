@@ -11,6 +11,7 @@ from kvmesh.bench.workloads import hit_ceiling as workload_ceiling
 from kvmesh.bench.workloads import mooncake
 from kvmesh.cli import main
 from kvmesh.engine.tokenizer import load_tokenizer
+from kvmesh.router.pipeline import PRESETS
 from kvmesh.sim import replay
 from kvmesh.sim.fleet import FleetSim, SimRequest
 
@@ -56,26 +57,54 @@ POLICIES = Path(__file__).parents[1] / "docs" / "policies"
 
 def test_prefix_aware_routing_follows_the_conversation(tokenizer, trace):
     requests = replay.trace_requests(trace)
-    prefix_first = (POLICIES / "kvmesh-prefix-first.yaml").read_text()
+    policies = {
+        "rr": "round-robin",
+        "kvmesh": "kvmesh",
+        "half": (POLICIES / "kvmesh-half-prompt-threshold.yaml").read_text(),
+        "first": (POLICIES / "kvmesh-prefix-first.yaml").read_text(),
+    }
     runs = {}
-    for name, policy in (("rr", "round-robin"), ("kvmesh", "kvmesh"), ("first", prefix_first)):
+    for name, policy in policies.items():
         runs[name] = FleetSim(_config(), policy, tokenizer).run(requests)
         assert all(r.finished is not None for r in runs[name])  # nothing lost
-    for name in ("kvmesh", "first"):  # later turns land where their conversation's context is
+    for name in ("kvmesh", "half", "first"):  # later turns land where their context is
         for a, b in ((0, 2), (2, 3), (1, 4), (4, 5)):
             assert runs[name][a].engine == runs[name][b].engine
-    # the preset places a request that shares only the system block as a new context, on the
-    # idle engine; the prefix-first policy follows even that block
-    assert runs["kvmesh"][1].engine != runs["kvmesh"][0].engine
+    # a request that shares only the system block with the idle holder: the preset follows it
+    # (computing 688 tokens there costs less than 1200 on the other engine); a half-prompt
+    # threshold places it as a new context, on the other engine
+    assert runs["kvmesh"][1].engine == runs["kvmesh"][0].engine
+    assert runs["half"][1].engine != runs["half"][0].engine
     lost = {n: [r.rid for r in rs if r.chosen_known_tokens < r.best_known_tokens]
             for n, rs in runs.items()}  # fmt: skip
-    assert lost["kvmesh"] == [1] and lost["first"] == []
+    assert lost["half"] == [1] and lost["kvmesh"] == lost["first"] == []
     ceiling = replay.hit_ceiling(requests, 16)
     hit = {n: replay.summarize(rs, 2)["hit_rate"] for n, rs in runs.items()}
-    assert hit["rr"] < hit["kvmesh"] < hit["first"]
-    assert hit["first"] == pytest.approx(ceiling, abs=0.002)
-    assert hit["kvmesh"] == pytest.approx(ceiling - 512 / 12800, abs=0.005)
+    assert hit["rr"] < hit["half"] < hit["kvmesh"] == hit["first"]
+    assert hit["kvmesh"] == pytest.approx(ceiling, abs=0.002)
+    assert hit["half"] == pytest.approx(ceiling - 512 / 12800, abs=0.005)
     assert replay.summarize(runs["rr"], 2)["lost_to_routing"] > 0.1
+
+
+def test_a_shared_system_prompt_does_not_gather_sessions_on_its_first_holder(tokenizer):
+    """Agent sessions that share only the system prompt and tools: following every match
+    without pricing the batch puts them all on one engine; the preset spreads them and still
+    reaches the ceiling."""
+    from kvmesh.bench.workloads import agentic
+    from kvmesh.sim.requests import workload_requests
+
+    wl = agentic(sessions=16, turns=4, repos=16, repo_tokens=3000, session_rate=1.0, seed=3)
+    requests = workload_requests(wl)
+    ceiling = replay.hit_ceiling(requests, 16)
+    first = (POLICIES / "kvmesh-prefix-first.yaml").read_text()
+    got = {}
+    for name, policy in (("kvmesh", "kvmesh"), ("first", first)):
+        records = FleetSim(_config(engines=4), policy, tokenizer).run(requests)
+        got[name] = replay.summarize(records, 4)
+    assert sum(n > 0 for n in got["first"]["load"]) == 1
+    assert sum(n > 0 for n in got["kvmesh"]["load"]) >= 2
+    assert got["kvmesh"]["hit_rate"] >= 0.98 * ceiling
+    assert got["kvmesh"]["ttft_ms_p90"] < got["first"]["ttft_ms_p90"]
 
 
 def test_ceiling_agrees_with_the_benchmark_workload(trace):
@@ -141,3 +170,20 @@ def test_cli_runs_the_agentic_workload(capsys):
     assert main([*argv, "--policies", "round-robin,kvmesh"]) == 0
     out = capsys.readouterr().out
     assert "of the agentic workload, 2 engines" in out and out.count("hit 0.") == 2
+
+
+def test_a_full_batch_sheds_requests_that_share_its_prefix(tokenizer):
+    """48 requests sharing a 360-token prefix, batches of 4: the holders' queues cost more than
+    computing the prefix on the third engine, which a placement cost without the engines'
+    waiting requests never sees."""
+    requests = [SimRequest(i, 0.01 * i, ((0, 360), (10**6 + i * 100, 15)), 40) for i in range(48)]
+    cfg = replay._configs("--max-num-seqs 4", 3, 0.05)
+    preset = replay.summarize(FleetSim(cfg, "kvmesh", tokenizer).run(requests), 3)
+    blind = PRESETS["kvmesh"].replace(
+        "{type: placement-cost-scorer}",
+        "{type: placement-cost-scorer, parameters: {waitingWeight: 0}}",
+    )
+    assert blind != PRESETS["kvmesh"]
+    without = replay.summarize(FleetSim(cfg, blind, tokenizer).run(requests), 3)
+    assert min(preset["load"]) > 0 and min(without["load"]) == 0
+    assert preset["ttft_ms_p90"] < without["ttft_ms_p90"]

@@ -59,3 +59,55 @@ def _build(name: str, params: dict, ctx) -> PrefillBacklogScorer:
 
 
 register("prefill-backlog-scorer")(_build)
+
+
+@dataclass(slots=True)
+class PlacementCostScorer:
+    """What placing this request on an endpoint costs the fleet, in tokens of prefill: the
+    endpoint's pending prefill (which this request waits behind) plus this request's uncached
+    tokens there, which it waits for and which stall every request in flight there for as long
+    (a chunked-prefill step carries the decode batch, so each decoder waits out the chunk).
+    `decode_weight` prices one decoder's stall against the request's own wait. A request the
+    engine reports waiting (its batch or KV limits bind) delays this one by at least a slot's
+    turn, priced as computing this whole prompt again (`waiting_weight` prompts each).
+
+    Scored (best + n) / (cost + n) for an n-token prompt: 1 for the cheapest endpoint, and a
+    difference counts in proportion to the prompt's own size, so a few blocks more or less
+    decide nothing while a long context recomputed beside a busy batch decides much."""
+
+    name: str
+    precise_index: object
+    approximate_index: object
+    decode_weight: float = 1.0
+    waiting_weight: float = 1.0
+
+    def cost(self, req: SchedulingRequest, e: Endpoint) -> float:
+        batch = max(e.in_flight, e.running + e.waiting)
+        stall = uncached_tokens(req, e.name) * (1.0 + self.decode_weight * batch)
+        return (
+            e.pending_prefill_tokens + stall + self.waiting_weight * e.waiting * len(req.token_ids)
+        )
+
+    def score(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> dict[str, float]:
+        fill_matches(req, endpoints, self.precise_index, self.approximate_index)
+        cost = {e.name: self.cost(req, e) for e in endpoints}
+        n = max(1, len(req.token_ids))
+        best = min(cost.values(), default=0.0)
+        return {k: (best + n) / (c + n) for k, c in cost.items()}
+
+
+def _build_placement(name: str, params: dict, ctx) -> PlacementCostScorer:
+    weights = {k: float(params.get(k, 1.0)) for k in ("decodeWeight", "waitingWeight")}
+    for key, value in weights.items():
+        if value < 0:
+            raise ValueError(f"{name}: {key} must be >= 0, got {value}")
+    return PlacementCostScorer(
+        name,
+        ctx.precise_index,
+        ctx.approximate_index,
+        weights["decodeWeight"],
+        weights["waitingWeight"],
+    )
+
+
+register("placement-cost-scorer")(_build_placement)

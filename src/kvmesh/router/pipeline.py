@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 import yaml
 
-from kvmesh.router import backlog  # noqa: F401 - registers prefill-backlog-scorer
+from kvmesh.router import backlog  # noqa: F401 - registers the backlog and placement scorers
 from kvmesh.router.endpoints import Endpoint
 from kvmesh.router.plugin_params import ReadParameters
 from kvmesh.router.plugins import REGISTRY, PluginContext, SchedulingRequest, build_plugin
@@ -48,30 +48,30 @@ schedulingProfiles:
             {pluginRef: kv-cache-utilization-scorer, weight: 2}]
 """,
     # events say what is cached; the router's own recent decisions cover blocks whose events have
-    # not arrived yet; load outweighs prefix once the holder is the busiest (so a hot shared
-    # prefix spreads); a request whose best match is under half its prompt (a new session that
-    # shares only the system prompt and tools) is placed as a cold one, by load and LRU, so new
-    # contexts spread instead of piling onto the first holders of the shared prefix; the
-    # prefill backlog (tokens to compute before this request's first token) keeps a new session
-    # on the holder of its long context unless the holder's queued prefill costs more
+    # not arrived yet; every match counts, and what a match is worth is priced in prefill by the
+    # placement cost: the holder's queued prefill plus the tokens this request would compute
+    # there, paid once by the request and once by every request decoding beside it; so a long
+    # context stays with its holder, while a prefix every session shares (a system prompt) does
+    # not pull new sessions onto a busy holder when an idle engine can compute it once; LRU
+    # spreads cold prompts; tuned with `kvmesh sim` on the agentic workload and the Mooncake trace
     "kvmesh": """
 plugins:
-- {type: precise-prefix-cache-scorer, parameters: {matchThreshold: 0.5}}
-- {type: prefix-cache-scorer, parameters: {matchThreshold: 0.5}}
-- {type: prefill-backlog-scorer}
+- {type: precise-prefix-cache-scorer}
+- {type: prefix-cache-scorer}
+- {type: placement-cost-scorer}
 - {type: queue-scorer}
 - {type: active-request-scorer}
 - {type: kv-cache-utilization-scorer}
 - {type: session-affinity-scorer}
-- {type: no-hit-lru-scorer, parameters: {matchThreshold: 0.5}}
+- {type: no-hit-lru-scorer}
 schedulingProfiles:
 - name: default
   plugins:
-  - {pluginRef: precise-prefix-cache-scorer, weight: 2}
+  - {pluginRef: precise-prefix-cache-scorer, weight: 8}
   - {pluginRef: prefix-cache-scorer, weight: 1}
-  - {pluginRef: prefill-backlog-scorer, weight: 2}
-  - {pluginRef: queue-scorer, weight: 2}
-  - {pluginRef: active-request-scorer, weight: 2}
+  - {pluginRef: placement-cost-scorer, weight: 8}
+  - {pluginRef: queue-scorer, weight: 1}
+  - {pluginRef: active-request-scorer, weight: 1}
   - {pluginRef: kv-cache-utilization-scorer, weight: 1}
   - {pluginRef: session-affinity-scorer, weight: 1}
   - {pluginRef: no-hit-lru-scorer, weight: 1}
