@@ -250,6 +250,20 @@ def shared_prefix(
     return Workload("shared-prefix", reqs, seed, params)
 
 
+def read_trace_rows(path: str | Path, limit: int = 0, start: int = 0) -> list[dict]:
+    """The rows of a Mooncake-format JSONL trace, skipping the first `start`, at most `limit`
+    (0: all), blank lines ignored."""
+    rows = []
+    with open(path) as f:
+        for i, line in enumerate(f):
+            if i < start or not line.strip():
+                continue
+            if limit and len(rows) >= limit:
+                break
+            rows.append(json.loads(line))
+    return rows
+
+
 def mooncake(
     path: str | Path,
     limit: int = 0,
@@ -271,14 +285,7 @@ def mooncake(
         "rate": rate,
         "max_output": max_output,
     }
-    rows = []
-    with open(path) as f:
-        for i, line in enumerate(f):
-            if i < start or not line.strip():
-                continue
-            if limit and len(rows) >= limit:
-                break
-            rows.append(json.loads(line))
+    rows = read_trace_rows(path, limit, start)
     t0 = rows[0]["timestamp"] if rows else 0
     span = (rows[-1]["timestamp"] - t0) / 1000 if rows else 0.0
     scale = (len(rows) - 1) / span / rate if rate > 0 and span > 0 else time_scale

@@ -4,10 +4,7 @@ turns each waits for; and the hit-rate ceiling of a request list."""
 
 from __future__ import annotations
 
-import json
-import zlib
-
-from kvmesh.bench.workloads import Workload
+from kvmesh.bench.workloads import Workload, read_trace_rows
 from kvmesh.sim.fleet import SimRequest
 
 TRACE_BLOCK = 512  # Mooncake hash_ids cover 512-token blocks
@@ -19,14 +16,7 @@ def trace_requests(
 ) -> list[SimRequest]:
     """Block h of the trace is token ids h*512 .. h*512+511 wherever it appears (cut to the
     input length in a prompt's last block), so the prefix reuse is exactly the trace's."""
-    rows = []
-    with open(path) as f:
-        for i, line in enumerate(f):
-            if i < start or not line.strip():
-                continue
-            if limit and len(rows) >= limit:
-                break
-            rows.append(json.loads(line))
+    rows = read_trace_rows(path, limit, start)
     t0 = rows[0]["timestamp"] if rows else 0
     out = []
     for rid, row in enumerate(rows):
@@ -66,21 +56,24 @@ def hit_ceiling(requests: list[SimRequest], block_size: int) -> float:
     return hit / total if total else 0.0
 
 
-def _segment_start(seed: int, key: str) -> int:
-    """Where a workload segment's token ids start: one key, one run of ids in every prompt that
-    holds it (a 32-bit key hash, runs 2^20 ids apart, clear of the trace's ids below 2^40)."""
-    return (1 << 41) + (zlib.crc32(f"{seed}:{key}".encode()) << 20)
+_SEGMENT_BASE = 1 << 41  # token ids of workload segments start here, clear of the trace's
 
 
 def workload_requests(wl: Workload) -> list[SimRequest]:
     """A benchmark workload as the sim's requests: each segment (system prompt, repository,
-    tool output ...) is a run of token ids, so prompts share exactly the segments they share
-    in the benchmark; a turn arrives its think time after the turns it follows finish."""
+    tool output ...) is a run of token ids of its own, numbered by first appearance, so prompts
+    share exactly the segments they share in the benchmark; a turn arrives its think time after
+    the turns it follows finish."""
+    starts: dict[str, int] = {}
+
+    def start(key: str) -> int:  # runs 2^20 ids apart: room for any segment
+        return starts.setdefault(key, _SEGMENT_BASE + (len(starts) << 20))
+
     return [
         SimRequest(
             r.rid,
             r.at,
-            tuple((_segment_start(wl.seed, key), n) for key, n in r.prompt if n > 0),
+            tuple((start(key), n) for key, n in r.prompt if n > 0),
             max(1, r.max_tokens),
             r.agent,
             r.deps,
