@@ -102,7 +102,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvmesh.engine.server import serve
 
     if args.command == "serve":
-        serve(build_engine(config), args.host, args.port)
+        try:
+            bundle = build_engine(config)
+        except ValueError as exc:  # a setting only the build can check (a tier path, say)
+            print(f"kvmesh serve: {exc}", file=sys.stderr)
+            return 2
+        serve(bundle, args.host, args.port)
         return 0
     return run_up(config, args)
 

@@ -42,6 +42,9 @@ class EngineBundle:
     def close(self) -> None:
         self.engine.shutdown()
         self.publisher.close()
+        close_runner = getattr(self.engine.core.runner, "close", None)
+        if close_runner is not None:  # a disk tier's file goes with the engine
+            close_runner()
 
 
 def assemble(

@@ -33,6 +33,27 @@ class HostTierStorage:
         return out.pin_memory() if self.pinned else out
 
 
+_PREFIX = "kvmesh-kv-"
+_CREATE_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+
+
+def _remove_orphans(directory: str) -> None:
+    """Tier files of this user's engines that died without closing them (kill -9)."""
+    for entry in os.scandir(directory):
+        pid = entry.name.removeprefix(_PREFIX).split("-", 1)[0]
+        if not entry.name.startswith(_PREFIX) or not pid.isdigit():
+            continue
+        try:
+            if entry.is_symlink() or entry.stat().st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)  # alive: not an orphan
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
+        except OSError:
+            continue
+
+
 class DiskTierStorage:
     """Slots in one file. Writes are flushed and dropped from the page cache, so a later read
     really comes from the disk (what a tier below DRAM is for), not from DRAM in disguise."""
@@ -45,10 +66,20 @@ class DiskTierStorage:
         self.slot_bytes = dtype.itemsize
         for d in block_shape:
             self.slot_bytes *= d
+        self.fd = -1
         if os.path.isdir(path):
-            path = os.path.join(path, f"kvmesh-kv-{os.getpid()}-{id(self):x}.bin")
+            _remove_orphans(path)
+            path = os.path.join(path, f"{_PREFIX}{os.getpid()}-{id(self):x}.bin")
         self.path = path
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:  # never through a symlink, never over an existing file, readable by us alone
+            self.fd = os.open(path, _CREATE_FLAGS, 0o600)
+        except FileExistsError:
+            raise ValueError(
+                f"--kv-offloading-disk-path {path} exists: kvmesh creates its tier file itself "
+                "(give a directory, or a path that does not exist yet)"
+            ) from None
+        except OSError as exc:  # ELOOP: the path is a symlink
+            raise ValueError(f"--kv-offloading-disk-path {path}: {exc.strerror}") from None
         os.ftruncate(self.fd, num_slots * self.slot_bytes)
         self.drop_cache = drop_cache and hasattr(os, "posix_fadvise")
 
@@ -75,10 +106,10 @@ class DiskTierStorage:
         return buf.view(self.dtype).reshape(len(slots), *self.block_shape)
 
     def close(self) -> None:
-        if self.fd >= 0:
+        if self.fd >= 0:  # the file is ours (created exclusively): it goes with us
             os.close(self.fd)
             self.fd = -1
-            if os.path.basename(self.path).startswith("kvmesh-kv-"):
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
 
     def __del__(self) -> None:

@@ -149,6 +149,12 @@ class TorchRunner(ModelRunner):
             else:
                 self.tiers[medium] = HostTierStorage(n, shape, self.dtype, pin)
 
+    def close(self) -> None:
+        """Release the tiers' storage (the disk tier's file is removed)."""
+        for storage in self.tiers.values():
+            if isinstance(storage, DiskTierStorage):
+                storage.close()
+
     def copy_worker(self, run) -> ThreadCopyWorker:
         """Loads on a worker thread; on CUDA on their own stream, synchronized before the load
         counts as done, so the blocks are whole when the scheduler lets a step read them. (On
