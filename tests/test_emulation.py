@@ -156,9 +156,15 @@ def test_fault_stall_mid_stream(tokenizer):
 def test_fault_dropped_kv_events(tokenizer):
     from tests.helpers import free_port
 
-    port = free_port()
-    cfg = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"})
-    from kvmesh.protocol.zmq_events import KVEventSubscriber
+    port, replay = free_port(), free_port()
+    cfg = json.dumps(
+        {
+            "enable_kv_cache_events": True,
+            "endpoint": f"tcp://*:{port}",
+            "replay_endpoint": f"tcp://*:{replay}",
+        }
+    )
+    from kvmesh.protocol.zmq_events import KVEventSubscriber, request_replay
 
     with emulated_fleet(
         tokenizer, engine={"kv_events_config": cfg}, fault_drop_events_rate=1.0
@@ -171,7 +177,11 @@ def test_fault_dropped_kv_events(tokenizer):
             time.sleep(0.2)
             http(urls[0] + "/v1/completions", {"prompt": "drop me " * 20, "max_tokens": 2})
             assert sub.recv(timeout=0.5) is None
-            assert f.bundles[0].faults.counts["dropped_event_batches"] >= 1
+            dropped = f.bundles[0].faults.counts["dropped_event_batches"]
+            assert dropped >= 1
+            # dropped after numbering, as a lossy network drops: the replay socket has them
+            seqs = [seq for seq, _ in request_replay(f"tcp://127.0.0.1:{replay}", 0)]
+            assert seqs == list(range(dropped))
         finally:
             sub.close()
 
@@ -221,3 +231,40 @@ def test_emulated_cards_get_vllm_api_server_batch_limits():
     mine = EngineConfig(max_num_batched_tokens=4096, max_num_seqs=32)
     kept = with_vllm_batch_defaults(mine, EmulationConfig(emulate_gpu="h200"))
     assert (kept.max_num_batched_tokens, kept.max_num_seqs) == (4096, 32)
+
+
+def test_load_gauges_fall_when_aborts_leave_the_engine_idle(tokenizer):
+    """Routers and autoscalers read vllm:num_requests_* and kv_cache_usage_perc: once every
+    request is aborted they must read an idle engine without waiting for a new request."""
+    import re
+    import socket
+    from urllib.parse import urlparse
+
+    from kvmesh.protocol.prom import parse_engine_load
+
+    with emulated_fleet(tokenizer, emulate_itl_ms=50.0) as (urls, _):
+        u = urlparse(urls[0])
+        body = json.dumps({"prompt": "abort me " * 40, "max_tokens": 500, "stream": True})
+        socks = []
+        for _ in range(6):
+            s = socket.create_connection((u.hostname, u.port))
+            s.sendall(
+                f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+            )
+            socks.append(s)
+        for s in socks:
+            assert s.recv(1024).startswith(b"HTTP/1.1 200")  # streaming: first token is out
+
+        def load() -> tuple[float, float, float]:
+            return parse_engine_load(http(urls[0] + "/metrics")[2].decode())
+
+        running = load()[1]
+        assert running > 0
+        for s in socks:
+            s.close()
+        deadline = time.monotonic() + 10
+        while load() != (0.0, 0.0, 0.0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert load() == (0.0, 0.0, 0.0)
+        assert re.search(rb"vllm:num_requests_running\{[^}]*\} 0\.0", http(urls[0] + "/metrics")[2])

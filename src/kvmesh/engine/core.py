@@ -80,6 +80,7 @@ class EngineCore:
         if request is None:
             return None
         self._finish(request, RequestStatus.FINISHED_ABORTED)
+        self._record_load()  # an engine left idle by aborts must not report their load
         return self._output(request, [], None, "")
 
     def has_work(self) -> bool:
@@ -126,6 +127,7 @@ class EngineCore:
             out.error = message
             outputs.append(out)
         self.publish_events(self.kv.take_events())
+        self._record_load()
         return outputs
 
     def _process_token(self, request: Request, now: float) -> RequestOutput:
@@ -290,11 +292,15 @@ class EngineCore:
             kv_transfer_params=request.kv_transfer_params if request.is_finished else None,
         )
 
-    def _record(self, out: SchedulerOutput) -> None:
+    def _record_load(self) -> None:
         m, s = self.metrics, self.scheduler
         m.running.set(s.num_running)
         m.waiting.set(s.num_waiting)
         m.kv_usage.set(self.kv.usage)
+
+    def _record(self, out: SchedulerOutput) -> None:
+        m = self.metrics
+        self._record_load()
         if out.preempted:
             m.preemptions.inc(len(out.preempted))
         queries, hits = self.kv.take_prefix_stats()

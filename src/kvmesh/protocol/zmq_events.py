@@ -13,6 +13,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -111,6 +112,9 @@ class ZmqEventPublisher:
             else None
         )
         self.dropped = 0  # batches refused because the queue was full
+        # fault injection, a lossy network: a numbered batch is buffered for replay but not
+        # sent when this says so (called on the publisher thread)
+        self.drop_on_send: Callable[[], bool] | None = None
         self._topic = config.topic.encode()
         self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(config.max_queue_size)
         # Invariant: only the thread touches _buffer and the sockets.
@@ -194,8 +198,10 @@ class ZmqEventPublisher:
                 if batch is None:
                     break
                 payload = encode_batch(batch, self.config.encoding)
-                pub.send_multipart([self._topic, seq.to_bytes(8, "big"), payload])
                 self._buffer.append((seq, payload))
+                drop = self.drop_on_send
+                if drop is None or not drop():
+                    pub.send_multipart([self._topic, seq.to_bytes(8, "big"), payload])
                 seq += 1
         except Exception:
             logger.exception("KV event publisher thread failed")

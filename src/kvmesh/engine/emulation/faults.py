@@ -21,7 +21,7 @@ class FaultConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stall_rate: float = 0.0  # fraction of streams that stall once mid-stream ...
     stall_seconds: float = 5.0  # ... for this long
     stall_after_tokens: int = 4  # ... after this many chunks
-    drop_events_rate: float = 0.0  # fraction of KV event batches never published
+    drop_events_rate: float = 0.0  # fraction of numbered KV event batches never sent (replayable)
     seed: int | None = None
 
     def validate(self) -> None:
@@ -71,14 +71,6 @@ class FaultInjector:
             self.counts["dropped_event_batches"] += 1
             return True
         return False
-
-    def wrap_publish(self, publish):
-        def publish_with_faults(events: list) -> None:
-            if events and self.drop_events():
-                return
-            publish(events)
-
-        return publish_with_faults
 
     def middleware(self):
         @web.middleware
