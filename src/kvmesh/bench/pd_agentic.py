@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import sys
-import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +22,7 @@ from rich.progress import Progress
 
 from kvmesh.bench import loadgen
 from kvmesh.bench.fleet_engines import reset_caches, router_metrics, start_engines
-from kvmesh.bench.router_procs import Proc, free_port
+from kvmesh.bench.router_procs import Proc, start_healthy
 from kvmesh.bench.workloads import Workload
 
 TRANSFER = json.dumps(
@@ -120,19 +117,11 @@ def configurations(mode: str, urls: list[str], threshold: int, out: Path) -> lis
 
 
 def start_router(config: Configuration, out: Path) -> tuple[Proc, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "kvmesh.cli", "--log-level", "WARNING", "router"]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), *config.router_args]
-    proc = Proc(cmd, out / f"router-{slug(config.name)}.log")
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.popen.poll() is None:
-        with contextlib.suppress(OSError), urllib.request.urlopen(url + "/health", timeout=2) as r:
-            if r.status == 200:
-                return proc, url
-        time.sleep(0.2)
-    proc.stop()
-    raise RuntimeError(f"router {config.name} did not become healthy:\n{proc.tail()}")
+    def command(port: int) -> list[str]:
+        cmd = [sys.executable, "-m", "kvmesh.cli", "--log-level", "WARNING", "router"]
+        return cmd + ["--host", "127.0.0.1", "--port", str(port), *config.router_args]
+
+    return start_healthy(command, out / f"router-{slug(config.name)}.log", f"router {config.name}")
 
 
 def prefill_legs(metrics: dict[str, float]) -> dict[str, int]:

@@ -15,6 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -157,23 +158,39 @@ def router_command(t: Target, urls: list[str], port: int, bins: dict[str, str | 
 def start_router(
     t: Target, urls: list[str], prefix: list[str], bins: dict[str, str | None], out: Path
 ) -> tuple[Proc, str]:
-    port = free_port()
     name = f"{t.kind}-{t.name or t.policy}-{len(urls)}".replace("_", "-")
-    proc = Proc([*prefix, *router_command(t, urls, port, bins)], out / f"router-{name}.log")
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.popen.poll() is not None:
-            break
-        with (
-            contextlib.suppress(OSError),
-            urllib.request.urlopen(url + "/health", timeout=2) as resp,
-        ):
-            if resp.status == 200:
-                return proc, url
-        time.sleep(0.2)
+    return start_healthy(
+        lambda port: [*prefix, *router_command(t, urls, port, bins)],
+        out / f"router-{name}.log",
+        t.label,
+    )
+
+
+def start_healthy(
+    command: Callable[[int], list[str]], log: Path, label: str, attempts: int = 3
+) -> tuple[Proc, str]:
+    """Start `command(port)` on a free port until GET /health answers 200: (process, URL).
+    A process that exits before that is started again on another port, as the free port it
+    was given may have been taken between the pick and the bind."""
+    proc: Proc | None = None
+    for _ in range(attempts):
+        port = free_port()
+        proc = Proc(command(port), log)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.popen.poll() is None:
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(url + "/health", timeout=2) as resp,
+            ):
+                if resp.status == 200:
+                    return proc, url
+            time.sleep(0.2)
+        if proc.popen.poll() is None:
+            break  # alive but never healthy: not a port race
+    assert proc is not None
     proc.stop()
-    raise RuntimeError(f"{t.label} did not become healthy:\n{proc.tail()}")
+    raise RuntimeError(f"{label} did not become healthy:\n{proc.tail()}")
 
 
 def served_model(url: str) -> str | None:
