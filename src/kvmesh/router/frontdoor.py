@@ -1,15 +1,18 @@
-"""The router's front door: a lean HTTP/1.1 server protocol. Requests are read (Content-Length
-or chunked bodies, size-limited, Expect: 100-continue honoured), served one at a time per
-connection by a handler task that is cancelled when the client goes, and answered in order."""
+"""The router's front door: a lean HTTP/1.1 server protocol on llhttp (httptools), strict.
+Requests (Content-Length or chunked bodies, size-limited, Expect: 100-continue honoured) are
+served one at a time per connection by a handler task that is cancelled when the client goes,
+and answered in order. Malformed input gets an OpenAI-style 4xx and the connection closes."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import httptools
 import msgspec
 
 from kvmesh.protocol.openai import error_body
@@ -19,49 +22,77 @@ if TYPE_CHECKING:
     from kvmesh.router.proxy import Upstream
 
 logger = logging.getLogger(__name__)
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-            413: "Payload Too Large", 431: "Request Header Fields Too Large",
-            500: "Internal Server Error", 503: "Service Unavailable"}  # fmt: skip
+MAX_HEADERS = 100  # header (and trailer) lines per request
+LINGER = 2.0  # seconds an answered bad connection drops the client's bytes before closing
+_UNIQUE = frozenset(("content-length", "host"))  # a second one is a smuggling attempt
+_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
+            405: "Method Not Allowed", 408: "Request Timeout", 413: "Payload Too Large",
+            431: "Request Header Fields Too Large", 500: "Internal Server Error",
+            503: "Service Unavailable"}  # fmt: skip
 
 
 @dataclass(slots=True)
 class Request:
     method: str
-    target: str  # as sent: path and query
+    target: str  # as sent: path and query (llhttp admits no CR, LF, NUL or space in it)
     path: str
     headers: dict[str, str]  # lower-case names; repeated headers joined with ", "
     body: bytes
     keep_alive: bool
 
 
+class _Reject(Exception):
+    """Raised in a parser callback; httptools hands it back as the parse error's context."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
 class FrontDoor(asyncio.Protocol):
-    """One client connection."""
+    """One client connection. Invariants: at most one handler task runs; ``queue`` holds the
+    requests read in full behind it (reading pauses while one waits), and an error to answer,
+    (status, message), is its last item; once ``stopped`` no byte is parsed again. The
+    client's EOF closes the connection, which cancels the handler."""
 
     def __init__(
         self,
         handler: Callable[[FrontDoor, Request], Awaitable[None]],
         max_body: int,
         doors: set[FrontDoor],
+        request_timeout: float = 30.0,
     ) -> None:
         self.handler, self.max_body, self.doors = handler, max_body, doors
+        self.request_timeout = request_timeout
         self.transport: asyncio.Transport | None = None
-        self.buf = bytearray()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.queue: deque[Request | tuple[int, str]] = deque()
         self.task: asyncio.Task | None = None
         self.upstream: Upstream | None = None  # paused while the client reads slowly
         self.sent_head = False  # the current answer's status line went out
         self.must_close = False
         self.closed = False
         self.seen = True  # data came since the last idle sweep
-        self._continued = False
+        self.stopped = False  # an error or the last request was read
+        self.paused = False  # reading paused by us: a read request waits behind the task
+        self.timer: asyncio.TimerHandle | None = None  # the deadline of the message in progress
+        # the message in progress (on_message_begin resets it)
+        self._in_message = self._in_head = self._expect = False
+        self._url = b""
+        self._headers: dict[str, str] = {}
+        self._body: list[bytes] = []
+        self._body_size = self._head_size = self._head_reads = self._lines = 0
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
-        self.transport = transport
+        self.transport, self.loop = transport, asyncio.get_running_loop()
         nodelay(transport)
         self.doors.add(self)
 
     def connection_lost(self, exc) -> None:
         self.closed = True
         self.doors.discard(self)
+        self._cancel_timer()
         if self.task is not None:
             self.task.cancel()
 
@@ -75,17 +106,122 @@ class FrontDoor(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.seen = True
-        self.buf += data
+        if self.stopped:
+            return
+        # a head's size: its parts as llhttp reports them (a header once it ends), and whole
+        # reads that start inside it (an unfinished line in memory counts before it ends)
+        if self._in_head:
+            self._head_reads += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            error = exc.__context__  # what the callback raised
+            if isinstance(error, _Reject):
+                self._fail(error.status, error.message)
+            else:
+                logger.error("front door callback failed", exc_info=error)
+                self._fail(500, "Internal router error.")
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            if not self.stopped:  # else: bytes after the last request, dropped
+                self._fail(400, f"Malformed HTTP request: {exc}.")
+        if not self.stopped and self._in_head and self._head_reads > MAX_HEAD:
+            self._fail(431, "Request header fields too large.")
+        if self._in_message and self.timer is None and not self.stopped:
+            self.timer = self.loop.call_later(self.request_timeout, self._timed_out)
         if self.task is None:
             self._next()
-        elif len(self.buf) > MAX_HEAD:
-            self.transport.pause_reading()  # pipelined: wait for the answer in progress
+        if self.task is not None and self.queue and not self.stopped and not self.paused:
+            self.paused = True  # pipelined: wait for the answer in progress
+            self.transport.pause_reading()
+            self._cancel_timer()
 
+    # ---- httptools callbacks: they run inside feed_data ---------------------------------------
+    def on_message_begin(self) -> None:
+        self._in_message = self._in_head = True
+        self._expect = False
+        self._url, self._headers, self._body = b"", {}, []
+        self._body_size = self._head_size = self._head_reads = self._lines = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        self._head_size += len(url)
+        if self._head_size > MAX_HEAD:
+            raise _Reject(431, "Request target too long.")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_size += len(name) + len(value) + 4
+        self._lines += 1
+        if self._head_size > MAX_HEAD or self._lines > MAX_HEADERS:
+            raise _Reject(431, "Request header fields too large.")
+        if not self._in_head:
+            return  # a chunked body's trailer: never a request header
+        key = name.decode("latin-1").lower()
+        text = value.decode("latin-1").strip(" \t")
+        known = self._headers.get(key)
+        if known is None:
+            self._headers[key] = text
+        elif key in _UNIQUE:
+            raise _Reject(400, f"More than one {key} header.")
+        else:
+            self._headers[key] = f"{known}, {text}"
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        parser, headers = self.parser, self._headers
+        if parser.should_upgrade():
+            raise _Reject(400, "Protocol upgrades and CONNECT are not supported.")
+        if parser.get_http_version() not in ("1.1", "1.0"):
+            raise _Reject(400, "Unsupported HTTP version.")
+        coding = headers.get("transfer-encoding")
+        if coding is not None and coding.lower() != "chunked":
+            raise _Reject(400, "Unsupported Transfer-Encoding: only chunked is accepted.")
+        length = headers.get("content-length")
+        if length is not None and int(length) > self.max_body:  # llhttp checked the digits
+            raise _Reject(413, f"Request body larger than {self.max_body} bytes.")
+        self._expect = headers.get("expect", "").lower() == "100-continue"
+
+    def on_body(self, body: bytes) -> None:
+        self._body_size += len(body)
+        if self._body_size > self.max_body:
+            raise _Reject(413, f"Request body larger than {self.max_body} bytes.")
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        parser = self.parser
+        keep = parser.should_keep_alive()
+        target = self._url.decode("latin-1")
+        body = b"".join(self._body)
+        method = parser.get_method().decode("ascii")
+        self.queue.append(
+            Request(method, target, target.partition("?")[0], self._headers, body, keep)
+        )
+        self._in_message = self._expect = False
+        self._cancel_timer()
+        if not keep:
+            self.stopped = True  # llhttp reads nothing after a closing request
+
+    # ---- serving ------------------------------------------------------------------------------
     def _next(self) -> None:
-        req = self._parse()
-        if req is not None:
-            self.sent_head, self.must_close = False, not req.keep_alive
-            self.task = asyncio.get_running_loop().create_task(self._serve(req))
+        """With no handler running: serve the next queued item, or read on."""
+        if self.queue:
+            item = self.queue.popleft()
+            if not isinstance(item, Request):
+                self.queue.clear()
+                self.must_close = True
+                self.respond_error(*item)
+                self._linger()
+                return
+            self.sent_head, self.must_close = False, not item.keep_alive
+            self.task = self.loop.create_task(self._serve(item))
+            return
+        if self.paused:
+            self.paused = False
+            self.transport.resume_reading()
+            if self._in_message and not self.stopped:  # the deadline runs while we read
+                self.timer = self.loop.call_later(self.request_timeout, self._timed_out)
+        if self._expect and not self.stopped:
+            self._expect = False
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     async def _serve(self, req: Request) -> None:
         try:
@@ -105,70 +241,40 @@ class FrontDoor(asyncio.Protocol):
         if self.must_close:
             self.transport.close()
             return
-        self.transport.resume_reading()
-        if self.buf:
+        self._next()
+
+    def _fail(self, status: int, message: str) -> None:
+        """Stop reading; answer status after the requests already queued, then close."""
+        self.stopped = True
+        self._in_message = self._in_head = self._expect = False
+        self._cancel_timer()
+        self.queue.append((status, message))
+
+    def _timed_out(self) -> None:
+        self.timer = None
+        if self.closed or self.stopped or not self._in_message:
+            return
+        self._fail(408, f"Request not received in full within {self.request_timeout:g} s.")
+        if self.task is None:
             self._next()
 
-    def _parse(self) -> Request | None:
-        buf = self.buf
-        end = buf.find(b"\r\n\r\n")
-        if end < 0:
-            if len(buf) > MAX_HEAD:
-                self._reject(431, "Request header fields too large.")
-            return None
-        lines = bytes(buf[:end]).decode("latin-1").split("\r\n")
-        parts = lines[0].split(" ")
-        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
-            self._reject(400, "Malformed HTTP request line.")
-            return None
-        headers: dict[str, str] = {}
-        for line in lines[1:]:
-            name, sep, value = line.partition(":")
-            if not sep:
-                self._reject(400, "Malformed HTTP header.")
-                return None
-            name, value = name.strip().lower(), value.strip()
-            headers[name] = f"{headers[name]}, {value}" if name in headers else value
-        start = end + 4
-        if "chunked" in headers.get("transfer-encoding", "").lower():
-            found = _dechunk(buf, start, self.max_body)
-            if found == -1:
-                self._reject(413, f"Request body larger than {self.max_body} bytes.")
-                return None
-            if found is None:
-                return self._wait_body(headers)
-            body, stop = found
+    def _cancel_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _linger(self) -> None:
+        """Close after an error answer. Closing with unread client bytes would reset the
+        connection and could destroy the answer: send FIN, drop what still comes, close soon."""
+        transport = self.transport
+        if self.paused:
+            self.paused = False
+            transport.resume_reading()
+        if transport.can_write_eof():
+            transport.write_eof()
+            self.loop.call_later(LINGER, transport.close)
         else:
-            try:
-                length = int(headers.get("content-length", "0"))
-            except ValueError:
-                self._reject(400, "Invalid Content-Length.")
-                return None
-            if length > self.max_body or length < 0:
-                self._reject(413, f"Request body larger than {self.max_body} bytes.")
-                return None
-            if len(buf) < start + length:
-                return self._wait_body(headers)
-            stop = start + length
-            body = bytes(buf[start:stop])
-        del buf[:stop]
-        self._continued = False
-        conn = headers.get("connection", "").lower()
-        keep = parts[2] == "HTTP/1.1" and "close" not in conn
-        target = parts[1]
-        return Request(parts[0], target, target.partition("?")[0], headers, body, keep)
-
-    def _wait_body(self, headers: dict[str, str]) -> None:
-        if not self._continued and headers.get("expect", "").lower() == "100-continue":
-            self._continued = True
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        return None
-
-    def _reject(self, status: int, message: str) -> None:
-        self.buf.clear()
-        self.must_close = True
-        self.respond_error(status, message)
-        self.transport.close()
+            transport.close()
 
     # ---- answers ----------------------------------------------------------------------------
     def respond(
@@ -184,25 +290,6 @@ class FrontDoor(asyncio.Protocol):
 
     def respond_error(self, status: int, message: str, extra: str = "") -> None:
         self.respond(status, msgspec.json.encode(error_body(message, status)), extra=extra)
-
-
-def _dechunk(buf: bytearray, pos: int, limit: int) -> tuple[bytes, int] | int | None:
-    """A whole chunked body at buf[pos:]: (payload, end); None: incomplete; -1: over limit."""
-    out = bytearray()
-    while True:
-        eol = buf.find(b"\r\n", pos)
-        if eol < 0:
-            return None
-        size = int(bytes(buf[pos:eol]).split(b";", 1)[0] or b"0", 16)
-        if size == 0:
-            end = buf.find(b"\r\n\r\n", eol)
-            return (bytes(out), end + 4) if end >= 0 else None
-        if len(out) + size > limit:
-            return -1
-        if len(buf) < eol + 4 + size:
-            return None
-        out += buf[eol + 2 : eol + 2 + size]
-        pos = eol + 4 + size
 
 
 @dataclass(slots=True)
@@ -235,12 +322,21 @@ async def _close_idle(doors: set[FrontDoor], every: float) -> None:
 
 
 async def serve(
-    router: Any, host: str, port: int, max_body: int, idle_timeout: float = 75.0
+    router: Any,
+    host: str,
+    port: int,
+    max_body: int,
+    idle_timeout: float = 75.0,
+    request_timeout: float = 30.0,
 ) -> RouterServer:
-    """Listen on host:port; each connection's requests go to router.handle."""
+    """Listen on host:port; each connection's requests go to router.handle. A request started
+    but not read in full within request_timeout seconds is answered 408."""
     doors: set[FrontDoor] = set()
     loop = asyncio.get_running_loop()
     server = await loop.create_server(
-        lambda: FrontDoor(router.handle, max_body, doors), host, port, backlog=1024
+        lambda: FrontDoor(router.handle, max_body, doors, request_timeout),
+        host,
+        port,
+        backlog=1024,
     )
     return RouterServer(router, server, doors, loop.create_task(_close_idle(doors, idle_timeout)))
