@@ -18,6 +18,9 @@ from kvmesh.engine.emulation.latency import (
 from tests.conftest import emulated_fleet
 from tests.helpers import http
 
+ADMIN = {"admin_api_key": "admin-secret"}  # admin routes are served only with an admin key
+AUTH = {"Authorization": "Bearer admin-secret"}
+
 
 def test_roofline_ttft_grows_with_uncached_tokens_and_falls_with_cached_prefix():
     r = RooflineLatency(ACCELERATORS["h100"], MODELS["llama-3.1-8b"])
@@ -92,15 +95,15 @@ def test_prefix_cache_and_metrics_work_on_emulated_engine(tokenizer):
 
 
 def test_fault_error_rate_and_admin_endpoint(tokenizer):
-    with emulated_fleet(tokenizer, fault_error_rate=1.0) as (urls, _):
+    with emulated_fleet(tokenizer, engine=ADMIN, fault_error_rate=1.0) as (urls, _):
         code, _, raw = http(urls[0] + "/v1/completions", {"prompt": "x", "max_tokens": 2})
         assert code == 500 and "Injected fault" in json.loads(raw)["error"]["message"]
-        code, _, raw = http(urls[0] + "/admin/faults", {"error_rate": 0.0})
+        code, _, raw = http(urls[0] + "/admin/faults", {"error_rate": 0.0}, AUTH)
         assert code == 200 and json.loads(raw)["config"]["error_rate"] == 0.0
         assert http(urls[0] + "/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
-        code, _, raw = http(urls[0] + "/admin/faults", {"error_rate": 3})
+        code, _, raw = http(urls[0] + "/admin/faults", {"error_rate": 3}, AUTH)
         assert code == 400 and "error_rate" in json.loads(raw)["error"]["message"]
-        assert http(urls[0] + "/admin/faults", {"no_such_fault": 1})[0] == 400
+        assert http(urls[0] + "/admin/faults", {"no_such_fault": 1}, AUTH)[0] == 400
 
 
 def test_fault_crash_after_takes_engine_off_the_network(tokenizer):
@@ -194,9 +197,11 @@ def test_many_engines_in_one_process(tokenizer):
 
 
 def test_admin_timing_reports_predicted_ttft_and_itl(tokenizer):
-    with emulated_fleet(tokenizer, emulate_ttft_ms=30.0, emulate_itl_ms=10.0) as (urls, _):
+    with emulated_fleet(
+        tokenizer, engine=ADMIN, emulate_ttft_ms=30.0, emulate_itl_ms=10.0
+    ) as (urls, _):
         http(urls[0] + "/v1/completions", {"prompt": "x", "max_tokens": 5, "ignore_eos": True})
-        t = json.loads(http(urls[0] + "/admin/timing")[2])
+        t = json.loads(http(urls[0] + "/admin/timing", headers=AUTH)[2])
         assert t["ttft_count"] == 1 and t["itl_count"] == 4
         assert t["predicted_ttft_s_mean"] == pytest.approx(0.030)
         assert t["predicted_itl_s_mean"] == pytest.approx(0.010)
@@ -204,13 +209,13 @@ def test_admin_timing_reports_predicted_ttft_and_itl(tokenizer):
 
 def test_time_scale_runs_the_emulated_clock_in_slow_motion(tokenizer):
     with emulated_fleet(
-        tokenizer, emulate_ttft_ms=20.0, emulate_itl_ms=20.0, emulate_time_scale=5.0
+        tokenizer, engine=ADMIN, emulate_ttft_ms=20.0, emulate_itl_ms=20.0, emulate_time_scale=5.0
     ) as (urls, f):
         t0 = time.monotonic()
         body = {"prompt": "x", "max_tokens": 6, "ignore_eos": True}
         assert http(urls[0] + "/v1/completions", body)[0] == 200
         assert time.monotonic() - t0 >= 6 * 0.020 * 5  # six steps, each 5x its 20 ms
-        t = json.loads(http(urls[0] + "/admin/timing")[2])
+        t = json.loads(http(urls[0] + "/admin/timing", headers=AUTH)[2])
         assert t["time_scale"] == 5.0  # predictions stay in emulated seconds
         assert t["predicted_ttft_s_mean"] == pytest.approx(0.020)
         assert t["predicted_itl_s_mean"] == pytest.approx(0.020)

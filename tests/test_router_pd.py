@@ -39,6 +39,7 @@ def pd_stack(tokenizer, prefill_faults: dict | None = None):
     engine = EngineConfig(
         num_gpu_blocks=2048,
         kv_transfer_config=json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both"}),
+        admin_api_key="admin-secret",  # for /admin/faults
     )
     emu = EmulationConfig(emulate_ttft_ms=30.0, emulate_itl_ms=5.0)
     fleet = EmulatedFleet(engine, emu, tokenizer, 3)
@@ -70,7 +71,8 @@ def pd_stack(tokenizer, prefill_faults: dict | None = None):
 
     with loop_thread(start, stop) as ((router, _, urls), _loop):
         if prefill_faults:
-            http(urls[0] + "/admin/faults", prefill_faults)
+            auth = {"Authorization": "Bearer admin-secret"}
+            assert http(urls[0] + "/admin/faults", prefill_faults, auth)[0] == 200
         yield f"http://127.0.0.1:{port}", router, fleet, urls
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import aiohttp
 
 from kvmesh.bench.emulation_report import diagnose, div, plot, print_table
+from kvmesh.bench.fleet_engines import ADMIN_KEY, admin_headers
 
 TARGET = 0.10  # |measured / predicted - 1| within this is faithful
 URL_RE = re.compile(r"(http://[\w.\-]+:\d+)/v1")
@@ -87,6 +88,7 @@ def start_engines(
     nprocs = max(1, min(args.engine_procs, count))
     counts = [count // nprocs + (j < count % nprocs) for j in range(nprocs)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    env["KVMESH_ADMIN_API_KEY"] = ADMIN_KEY  # /admin/timing: see timing()
     procs, logs = [], []
     for j, n in enumerate(counts):
         port = args.port + sum(counts[:j]) if args.port else 0
@@ -211,7 +213,7 @@ async def loop_lag(samples: list[float], period: float = 0.01) -> None:
 
 
 async def timing(http: aiohttp.ClientSession, url: str) -> dict:
-    async with http.get(f"{url}/admin/timing") as resp:
+    async with http.get(f"{url}/admin/timing", headers=admin_headers()) as resp:
         resp.raise_for_status()
         out = await resp.json()
         return {k: v for k, v in out.items() if not k.endswith("_mean") and k != "time_scale"}

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import secrets
 import socket
 import sys
 import time
@@ -14,6 +16,15 @@ import urllib.request
 from pathlib import Path
 
 from kvmesh.bench.router_procs import URL_RE, Proc
+
+# the admin key (/admin/*, /reset_prefix_cache) of the engines this bench process starts:
+# the caller's KVMESH_ADMIN_API_KEY, else a fresh one; it goes to the engines in their
+# environment, never on a command line or in a log
+ADMIN_KEY = os.environ.get("KVMESH_ADMIN_API_KEY") or secrets.token_urlsafe(16)
+
+
+def admin_headers() -> dict[str, str]:
+    return {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 def _event_base(n: int, per_engine: int = 2) -> int:
@@ -54,6 +65,7 @@ def start_engines(
     cmd = [
         "env",
         "KVMESH_DEV_MODE=1",
+        f"KVMESH_ADMIN_API_KEY={ADMIN_KEY}",
         sys.executable,
         "-m",
         "kvmesh.cli",
@@ -92,7 +104,9 @@ def reset_caches(urls: list[str]) -> list[str]:
     failed = []
     for url in urls:
         for _ in range(40):
-            req = urllib.request.Request(f"{url}/reset_prefix_cache", b"", method="POST")
+            req = urllib.request.Request(
+                f"{url}/reset_prefix_cache", b"", admin_headers(), method="POST"
+            )
             try:
                 with urllib.request.urlopen(req, timeout=10):
                     break
@@ -155,7 +169,8 @@ def engine_timing(urls: list[str]) -> dict[str, float]:
     out: dict[str, float] = {}
     for url in urls:
         try:
-            with urllib.request.urlopen(f"{url}/admin/timing", timeout=10) as resp:
+            req = urllib.request.Request(f"{url}/admin/timing", headers=admin_headers())
+            with urllib.request.urlopen(req, timeout=10) as resp:
                 doc = json.loads(resp.read())
         except (OSError, ValueError):
             continue

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvmesh.bench.fleet_engines import admin_headers
 from kvmesh.bench.http_load import first_model
 from kvmesh.bench.workloads import VOCAB, Request, Workload
 
@@ -254,7 +255,7 @@ async def scrape_engines(http: aiohttp.ClientSession, engines: list[str]) -> dic
         try:
             async with http.get(f"{url}/metrics") as resp:
                 got.update(parse_counters(await resp.text()))
-            async with http.get(f"{url}/admin/timing") as resp:
+            async with http.get(f"{url}/admin/timing", headers=admin_headers()) as resp:
                 if resp.status == 200:
                     got["busy_s"] = float((await resp.json()).get("predicted_step_s_sum", 0.0))
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:

@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvmesh.bench import http_load
+from kvmesh.bench.fleet_engines import ADMIN_KEY, admin_headers
 
 PEER_HEADER = "x-kv-cache-source-host-port"
 ROWS = (  # (key in tiers.json, label in the table)
@@ -116,6 +117,7 @@ def main(args: argparse.Namespace) -> int:
     console = Console()
     rows: dict[str, dict] = {}
     os.environ["KVMESH_DEV_MODE"] = "1"  # /reset_prefix_cache, to repeat the peer pull
+    os.environ["KVMESH_ADMIN_API_KEY"] = ADMIN_KEY  # which it needs (the engines inherit it)
 
     def record(name: str, result: tuple[float, int, dict], samples=None) -> None:
         seconds, cached, moved = result
@@ -134,7 +136,9 @@ def main(args: argparse.Namespace) -> int:
         return median([fn() for _ in range(max(1, args.repeats))])
 
     def pull_once(p_url: str, peer: str):
-        reset = urllib.request.Request(p_url + "/reset_prefix_cache", data=b"", method="POST")
+        reset = urllib.request.Request(
+            p_url + "/reset_prefix_cache", b"", admin_headers(), method="POST"
+        )
         urllib.request.urlopen(reset, timeout=60).close()  # the puller forgets the last pull
         return _ttft(p_url, prompt, {PEER_HEADER: peer})
 

@@ -30,15 +30,40 @@ ROUTER_HELP = {
     "scrape_interval": "Seconds between /metrics scrapes of each endpoint.",
     "max_retries": "Other endpoints tried when one fails before the first byte.",
     "max_body_bytes": "Largest request body accepted.",
+    "trust_request_chat_template": "Render chat templates that requests bring (`chat_template`, "
+    "`chat_template_kwargs.chat_template`) to compute their prefix keys, as vLLM's flag; each "
+    "in a sandbox, on a thread, within 2 s. Off: such requests get 400.",
     "index_capacity": "Most (block, endpoint) entries in the precise index.",
     "approx_capacity_per_endpoint": "Blocks remembered per endpoint by the approximate index.",
-    "first_byte_timeout": "Seconds to wait for an endpoint's first byte.",
+    "first_byte_timeout": "Seconds to wait for the first byte of a streaming answer (the "
+    "engine sends it with the first token, after any queueing and the prefill) before the "
+    "request goes to another endpoint; counts towards the endpoint's ejection.",
+    "non_streaming_first_byte_timeout": "The same for a non-streaming answer, whose head comes "
+    "only with the whole completion (a CPU engine may take minutes).",
+    "stream_idle_timeout": "Seconds with no byte in the middle of an answer before it is cut, "
+    "ended with an SSE error event, and counted towards the endpoint's ejection; 0: never.",
+    "outlier_consecutive_errors": "Outlier detection, as Envoy's consecutive_5xx: requests "
+    "failed in a row (5xx answer, or a timeout before the first byte or mid-stream) that "
+    "eject an endpoint for a while (an unreachable one is out until it answers /metrics "
+    "again, re-checked at least every 2 s); 0: never.",
+    "outlier_base_ejection_time": "Seconds an ejected endpoint stays out, times the number of "
+    "its ejections (one forgiven per such span in service).",
+    "outlier_max_ejection_time": "Longest ejection, in seconds.",
+    "outlier_max_ejection_percent": "Most of the fleet ejected at once, in percent (always "
+    "at least one endpoint); with every endpoint out, requests try them all.",
     "prefill_max_retries": "P/D: prefill attempts beyond the first before the decode endpoint "
     "prefills itself.",
+    "kv_index_warmup_timeout": "Seconds after start during which inference requests wait for "
+    "the engines' KV-event replay to fill the precise index (a restarted router then routes by "
+    "the cache at once); a request never waits longer than this, 0: never.",
     "kv_peer_min_cached_token_delta": "Peer sharing: when another healthy endpoint caches at "
     "least this many more leading prompt tokens than the chosen one (precise index, any tier), "
     "name it in x-kv-cache-source-host-port so the chosen engine pulls those blocks instead of "
     "computing them (engines need it in --kv-peer-allowlist); not on the P/D path. 0: off.",
+    "api_key": "Key clients must send as `Authorization: Bearer <key>` on /v1/* (default: env "
+    "VLLM_API_KEY; unset: none). /health and /metrics stay open.",
+    "endpoint_api_key": "Key sent to the engines (their --api-key) in place of the client's "
+    "Authorization (default: --api-key; with neither, the client's header passes through).",
 }
 
 
@@ -46,6 +71,9 @@ def router_config_from(args: argparse.Namespace, endpoints: list[str]):
     from kvmesh.router.app import RouterConfig
 
     args.endpoints = endpoints
+    from kvmesh.protocol.auth import API_KEY_ENV, env_key
+
+    args.api_key = env_key(getattr(args, "api_key", None), API_KEY_ENV)
     if getattr(args, "kv_events", None) == "none":
         args.kv_events = None
     return config_from_args(RouterConfig, args)

@@ -31,6 +31,9 @@ ENGINE_HELP = {
     "`priority` values run first and are preempted last.",
     "max_waiting_requests": "Queue limit; beyond it requests get 503 with Retry-After.",
     "max_logprobs": "Largest `logprobs` / `top_logprobs` a request may ask for.",
+    "trust_request_chat_template": "Render chat templates that requests bring (`chat_template`, "
+    "`chat_template_kwargs.chat_template`), as vLLM's flag; each in a sandbox, on a thread, "
+    "within 2 s. Off: such requests get 400. `kvmesh up` gives the router the same setting.",
     "seed": "Global random seed.",
     "kv_events_config": "KV event publishing as vLLM's JSON, e.g. "
     '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
@@ -56,6 +59,14 @@ ENGINE_HELP = {
     "cannot be read is asked again over tcp.",
     "data_parallel_rank": "This engine's data-parallel rank (metrics label, event port offset).",
     "num_threads": "Torch CPU threads (default: all cores available).",
+    "api_key": "Key clients must send as `Authorization: Bearer <key>` on the OpenAI routes "
+    "(/v1/*) and /tokenize, /detokenize (default: env VLLM_API_KEY; unset: none). /health, "
+    "/metrics, /version, /ping, /load and /kv_event_sources stay open.",
+    "admin_api_key": "Key of the admin routes (/admin/* of emulated engines; /reset_prefix_cache "
+    "in dev mode) (default: env KVMESH_ADMIN_API_KEY; unset: those routes are not served).",
+    "kv_transfer_api_key": "Key engines send each other on /kv_transfer/* (P/D and peer pulls; "
+    "default: env KVMESH_KV_TRANSFER_API_KEY, else --api-key). With neither, those routes answer "
+    "only callers on this host: engines on several hosts need a key.",
 }
 
 
@@ -83,6 +94,11 @@ EMULATION_HELP = {
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
     if args.model == "default":
         args.model = None
+    from kvmesh.protocol import auth
+
+    args.api_key = auth.env_key(args.api_key, auth.API_KEY_ENV)
+    args.admin_api_key = auth.env_key(args.admin_api_key, auth.ADMIN_KEY_ENV)
+    args.kv_transfer_api_key = auth.env_key(args.kv_transfer_api_key, auth.KV_TRANSFER_KEY_ENV)
     return config_from_args(EngineConfig, args)
 
 
@@ -143,6 +159,9 @@ def run_up(config: EngineConfig, args: argparse.Namespace) -> int:
             endpoints=[engine_url],
             block_size=config.block_size,
             prefix_caching_hash_algo=config.prefix_caching_hash_algo,
+            api_key=config.api_key,  # clients send it to the router, the router to the engine
+            endpoint_api_key=config.api_key,
+            trust_request_chat_template=config.trust_request_chat_template,
         )
         _, router_runner = await start_router_from(rcfg, args.host, args.port, bundle.tokenizer)
         print(
@@ -188,6 +207,9 @@ def run_emulated(config: EngineConfig, emu, args: argparse.Namespace) -> int:
                 block_size=config.block_size,
                 prefix_caching_hash_algo=config.prefix_caching_hash_algo,
                 kv_events="auto" if config.kv_events_config else None,
+                api_key=config.api_key,  # clients send it to the router, the router to engines
+                endpoint_api_key=config.api_key,
+                trust_request_chat_template=config.trust_request_chat_template,
             )
             _, runner = await start_router_from(rcfg, args.host, args.port)
             print(

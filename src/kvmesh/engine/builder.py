@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kvmesh.engine.async_engine import AsyncEngine
+from kvmesh.engine.auth import EngineKeys
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.core import EngineCore
 from kvmesh.engine.kv_cache_manager import KVCacheManager
@@ -61,7 +62,8 @@ def assemble(
         if config.kv_events_config
         else KVEventsConfig()
     )
-    publisher = make_event_publisher(events_cfg, config.data_parallel_rank)
+    # a wildcard endpoint binds only where HTTP listens: events carry token ids (prompts)
+    publisher = make_event_publisher(events_cfg, config.data_parallel_rank, config.host)
     kv = KVCacheManager(
         runner.num_blocks,
         config.block_size,
@@ -101,6 +103,7 @@ def assemble(
     serving = OpenAIServing(
         engine, tokenizer, name, runner.max_model_len, eos_token_ids, config.max_logprobs
     )
+    serving.transfer_key = EngineKeys.of(config).kv_transfer
     events_dict = msgspec.to_builtins(events_cfg) if events_cfg.enable_kv_cache_events else None
     return EngineBundle(
         config,

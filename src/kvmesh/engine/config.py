@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields
 
+from kvmesh.protocol.auth import validate_key
+
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PEER_TRANSPORTS = ("auto", "tcp", "shm")
@@ -29,6 +31,8 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     max_waiting_requests: int = 1024  # beyond this, new requests get 503 + Retry-After
     max_logprobs: int = 20
+    # render templates that requests bring (chat_template, chat_template_kwargs.chat_template)
+    trust_request_chat_template: bool = False
     seed: int = 0
     kv_events_config: str | None = None  # JSON as vLLM's --kv-events-config
     kv_transfer_config: str | None = None  # JSON as vLLM's --kv-transfer-config (P/D)
@@ -39,6 +43,15 @@ class EngineConfig:
     kv_peer_allowlist: str | None = None  # comma-separated host:port peers that may be pulled
     kv_peer_transport: str = "auto"  # auto (shm on one host, else tcp), tcp or shm
     data_parallel_rank: int = 0
+    # where HTTP listens (cli.py's --host, so no generated flag): a wildcard KV event
+    # endpoint (tcp://*:PORT) binds this address, never wider
+    host: str = "127.0.0.1"
+    # Bearer keys, never in repr or logs: the OpenAI routes' (env VLLM_API_KEY); /admin/*'s
+    # (unset: not served; KVMESH_ADMIN_API_KEY); /kv_transfer/*'s (unset: api_key, else
+    # loopback callers only; KVMESH_KV_TRANSFER_API_KEY)
+    api_key: str | None = field(default=None, repr=False)
+    admin_api_key: str | None = field(default=None, repr=False)
+    kv_transfer_api_key: str | None = field(default=None, repr=False)
     num_threads: int | None = None  # torch intra-op threads on CPU
     extra: dict = field(default_factory=dict)
 
@@ -71,6 +84,8 @@ class EngineConfig:
                 raise ValueError(f"--kv-peer-allowlist entries must be host:port, got {peer!r}")
         if self.kv_peer_transport not in PEER_TRANSPORTS:
             raise ValueError(f"--kv-peer-transport must be one of {PEER_TRANSPORTS}")
+        for name in ("api_key", "admin_api_key", "kv_transfer_api_key"):
+            validate_key("--" + name.replace("_", "-"), getattr(self, name))
         if (
             not self.enable_chunked_prefill
             and self.max_model_len is not None

@@ -190,22 +190,22 @@ class EngineCore:
         """Keep the prompt's full blocks (the rest is released) and say where they are."""
         n = min(request.num_prompt_tokens // self.kv.block_size, len(blocks))
         self.kv.pool.free_blocks(reversed(blocks[n:]))
-        self.held.hold(
+        transfer_id = self.held.hold(  # minted: the decode side reads by it, not request_id
             request.request_id, blocks[:n], request.block_hashes[:n], request.num_prompt_tokens
         )
         host, port = self.advertise
         request.kv_transfer_params = producer_params(
             self.transfer_config,
-            request.request_id,
+            transfer_id,
             [b.block_id for b in blocks[:n]],
             host,
             port,
             request.num_prompt_tokens,
         )
 
-    def export_held(self, request_id: str) -> bytes | None:
+    def export_held(self, transfer_id: str) -> bytes | None:
         """The held blocks of a finished prefill as a payload; they are released once read."""
-        held = self.held.take(request_id)
+        held = self.held.take(transfer_id)
         if held is None:
             return None
         try:

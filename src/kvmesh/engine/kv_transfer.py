@@ -2,14 +2,18 @@
 `kv_transfer_params` protocol, over kvmesh's own transfer route (HTTP on the engine's port).
 
 A prefill engine (do_remote_decode) keeps a finished request's blocks referenced until the decode
-engine reads them or a timeout passes. A decode engine (do_remote_prefill) reads them, checks each
-block against the hash of its own prompt tokens, and writes the verified ones into its KV cache as
-ordinary prefix-cache blocks; whatever did not arrive is recomputed.
+engine reads them or a timeout passes, under a transfer id it mints itself (random, 128 bits; sent
+as `remote_request_id`), never under the request id, which a client chooses (X-Request-Id). A
+decode engine (do_remote_prefill) reads them, checks each block against the hash of its own prompt
+tokens, and writes the verified ones into its KV cache as ordinary prefix-cache blocks; whatever
+did not arrive is recomputed. The read carries a token for that transfer only, derived from the
+KV-transfer key (protocol.auth.held_blocks_token), never the key: a request names the host.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -18,6 +22,7 @@ import msgspec
 import xxhash
 
 from kvmesh.engine.block_pool import KVCacheBlock
+from kvmesh.protocol.auth import bearer, held_blocks_token
 from kvmesh.protocol.kv_transfer import prefill_response_params
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -48,6 +53,7 @@ class KVTransferConfig(msgspec.Struct, kw_only=True):
 
 @dataclass(slots=True)
 class HeldRequest:
+    transfer_id: str  # the key of HeldBlocks.held, minted by hold()
     request_id: str
     blocks: list[KVCacheBlock]
     block_hashes: list[bytes]
@@ -60,37 +66,48 @@ class HeldBlocks:
     """Blocks of finished prefill requests, kept referenced until read or expired."""
 
     timeout: float = 480.0
-    held: dict[str, HeldRequest] = field(default_factory=dict)
+    held: dict[str, HeldRequest] = field(default_factory=dict)  # by transfer id
 
-    def hold(self, request_id: str, blocks, block_hashes, num_tokens: int) -> None:
-        self.held[request_id] = HeldRequest(
+    def hold(self, request_id: str, blocks, block_hashes, num_tokens: int) -> str:
+        """Keep the blocks; the fresh transfer id that reads them (take)."""
+        transfer_id = secrets.token_urlsafe(16)
+        self.held[transfer_id] = HeldRequest(
+            transfer_id,
             request_id,
             list(blocks),
             list(block_hashes),
             num_tokens,
             time.monotonic() + self.timeout,
         )
+        return transfer_id
 
-    def take(self, request_id: str) -> HeldRequest | None:
-        return self.held.pop(request_id, None)
+    def take(self, transfer_id: str) -> HeldRequest | None:
+        return self.held.pop(transfer_id, None)
 
     def expired(self, now: float | None = None) -> list[HeldRequest]:
         now = time.monotonic() if now is None else now
         gone = [h for h in self.held.values() if h.expires <= now]
         for h in gone:
-            del self.held[h.request_id]
+            del self.held[h.transfer_id]
         return gone
 
 
 def producer_params(
     cfg: KVTransferConfig,
-    request_id: str,
+    transfer_id: str,
     block_ids: list[int],
     host: str,
     port: int,
     num_tokens: int,
 ) -> dict:
-    return prefill_response_params(cfg.engine_id, request_id, block_ids, host, port, num_tokens)
+    """The prefill's kv_transfer_params: `transfer_id` (from HeldBlocks.hold) goes as
+    remote_request_id, the id vLLM's decode side reads the blocks by."""
+    return prefill_response_params(cfg.engine_id, transfer_id, block_ids, host, port, num_tokens)
+
+
+def held_blocks_headers(key: str | None, transfer_id: str) -> dict[str, str]:
+    """The decode side's credential for one held-blocks read (engine.auth checks it)."""
+    return {"Authorization": bearer(held_blocks_token(key, transfer_id))} if key else {}
 
 
 def encode_payload_parts(

@@ -124,11 +124,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
     serving.check_model(req.model)
     if req.echo or req.suffix:
         raise APIError("echo and suffix are not supported.", param="echo")
+    _check_token_lists(serving, req.prompt, req.max_tokens)
     prompts = completion_prompts(req.prompt)
     base = serving.request_id(request.headers, req.request_id)
     reqs, choices = [], []
     for i, p in enumerate(prompts):
-        ids = serving.encode(p, req.add_special_tokens) if isinstance(p, str) else list(p)
+        if isinstance(p, str):
+            ids = await serving.tokenize(p, req.add_special_tokens, req.max_tokens, "prompt")
+        else:
+            ids = list(p)
         params = serving.sampling_params(req, len(ids), req.max_tokens, req.logprobs)
         reqs.append(serving.make_request(base, i, ids, params, req))
         choices.append(Choice(i, ids))
@@ -183,7 +187,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     serving: OpenAIServing = request.app[SERVING]
     req: ChatCompletionRequest = decode_request(await request.read(), ChatCompletionRequest)
     serving.check_model(req.model)
-    ids = serving.render_chat(req)
+    ids = await serving.tokenize_chat(req)
     max_tokens = req.max_completion_tokens or req.max_tokens
     top = req.top_logprobs or 0
     if top and not req.logprobs:
@@ -249,6 +253,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         "kv_transfer_params": c.kv_transfer_params,
     }
     return web.Response(body=encode_json(body), content_type="application/json", headers=headers)
+
+
+def _check_token_lists(serving: OpenAIServing, prompt, max_tokens: int | None) -> None:
+    """Token-id prompts past the context are refused by their length, before their ids are
+    looked at one by one."""
+    if isinstance(prompt, list) and prompt:
+        lists = [prompt] if type(prompt[0]) is int else [p for p in prompt if type(p) is list]
+        for ids in lists:
+            serving.check_room(len(ids), max_tokens, "prompt")
 
 
 async def _transfer(serving: OpenAIServing, request, params: dict | None) -> None:

@@ -9,7 +9,8 @@ it holds, from any of its tiers: as the HTTP body, or, when both engines share a
 when their hashes equal those of the request's own tokens and the payload's checksum holds; a
 refused, failed or partial pull leaves the rest to be computed, so a pull can make a request
 faster but never change its output.
-Only allow-listed peers (`--kv-peer-allowlist`) are contacted: the name comes from a request."""
+Only allow-listed peers (`--kv-peer-allowlist`) are contacted: the name comes from a request;
+they alone get this engine's KV-transfer key (engine.auth), which their blocks route requires."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import msgspec
 
 from kvmesh.engine import shm_transfer
 from kvmesh.engine.sequence import Request, SamplingParams
+from kvmesh.protocol.auth import bearer
 from kvmesh.protocol.openai import ChatCompletionRequest, CompletionRequest, completion_prompts
 
 logger = logging.getLogger(__name__)
@@ -69,14 +71,19 @@ def named_peer(headers, raw_body: bytes) -> str | None:
     return peer if isinstance(peer, str) else None
 
 
-def prompt_token_ids(serving, path: str, raw_body: bytes) -> tuple[list[list[int]], str | None]:
-    """The prompts of a completion or chat request as token ids, and its cache_salt."""
+async def prompt_token_ids(
+    serving, path: str, raw_body: bytes
+) -> tuple[list[list[int]], str | None]:
+    """The prompts of a completion or chat request as token ids, and its cache_salt; long ones
+    rendered and tokenized off the event loop, as the handler does."""
     if path.endswith("/chat/completions"):
         chat = msgspec.json.decode(raw_body, type=ChatCompletionRequest)
-        return [serving.render_chat(chat)], chat.cache_salt
+        return [await serving.tokenize_chat(chat)], chat.cache_salt
     req = msgspec.json.decode(raw_body, type=CompletionRequest)
     ids = [
-        serving.encode(p, req.add_special_tokens) if isinstance(p, str) else list(p)
+        await serving.tokenize(p, req.add_special_tokens, req.max_tokens, "prompt")
+        if isinstance(p, str)
+        else list(p)
         for p in completion_prompts(req.prompt)
     ]
     return ids, req.cache_salt
@@ -91,12 +98,19 @@ class PeerPuller:
     """Pulls for one engine; `allowlist` holds the host:port peers it may contact."""
 
     def __init__(
-        self, bundle, allowlist: frozenset[str], timeout: float = 30.0, transport: str = "auto"
+        self,
+        bundle,
+        allowlist: frozenset[str],
+        timeout: float = 30.0,
+        transport: str = "auto",
+        key: str | None = None,
     ) -> None:
         self.bundle = bundle
         self.allowlist = allowlist
         self.timeout = timeout
         self.transport = transport  # config.PEER_TRANSPORTS: auto, tcp or shm
+        # sent to allow-listed peers only (never to a host a request merely names)
+        self.headers = {"Authorization": bearer(key)} if key else {}
 
     async def before_request(self, headers, path: str, raw_body: bytes) -> int:
         """Pull what the named peer holds for this request's prompts; tokens imported."""
@@ -110,7 +124,7 @@ class PeerPuller:
             metrics.peer_pulls.labels(**metrics.labels, outcome="refused").inc()
             return 0
         try:
-            prompts, salt = prompt_token_ids(self.bundle.serving, path, raw_body)
+            prompts, salt = await prompt_token_ids(self.bundle.serving, path, raw_body)
         except Exception:  # noqa: BLE001 - the handler reports a bad request properly
             return 0
         total = 0
@@ -178,9 +192,17 @@ class PeerPuller:
                 session.post(
                     f"http://{peer}{BLOCKS_ROUTE}",
                     json=body,
+                    headers=self.headers,
                     timeout=aiohttp.ClientTimeout(total=self.timeout),
                 ) as resp,
             ):
+                if resp.status in (401, 403):
+                    logger.warning(
+                        "KV pull from peer %s refused (HTTP %d): give both engines the same "
+                        "--kv-transfer-api-key",
+                        peer,
+                        resp.status,
+                    )
                 if resp.status != 200:
                     return ("miss" if resp.status == 404 else "failed"), None
                 if resp.content_type == "application/json":

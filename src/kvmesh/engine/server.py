@@ -12,9 +12,11 @@ import time
 from aiohttp import web
 
 from kvmesh.engine import openai_routes, shm_transfer
+from kvmesh.engine.auth import EngineKeys, auth_middleware
 from kvmesh.engine.builder import EngineBundle
 from kvmesh.engine.peer import BLOCKS_ROUTE, PeerPuller, parse_allowlist
 from kvmesh.protocol.openai import (
+    TOO_DEEP,
     APIError,
     DetokenizeRequest,
     TokenizeRequest,
@@ -54,6 +56,8 @@ async def error_middleware(request: web.Request, handler):
         return _json(error_body(message, exc.status), exc.status)
     except (asyncio.CancelledError, ConnectionResetError):
         raise
+    except RecursionError:  # JSON decoded before decode_request's limits (a peer's lookup)
+        return _json(error_body(TOO_DEEP, 400), 400)
     except Exception:
         logger.exception("unhandled error in %s %s", request.method, request.path)
         return _json(error_body("Internal server error.", 500), 500)
@@ -88,9 +92,9 @@ async def tokenize(request: web.Request) -> web.Response:
         chat = ChatCompletionRequest(
             messages=req.messages, add_generation_prompt=req.add_generation_prompt
         )
-        ids = b.serving.render_chat(chat)
+        ids = await b.serving.tokenize_chat(chat, check=False)
     elif req.prompt is not None:
-        ids = b.serving.encode(req.prompt, req.add_special_tokens)
+        ids = await b.serving.tokenize(req.prompt, req.add_special_tokens, None, "prompt", False)
     else:
         raise APIError("Either prompt or messages is required.", param="prompt")
     body = {
@@ -142,12 +146,13 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
 
 
 async def kv_transfer(request: web.Request) -> web.Response:
-    """The transfer route: a decode engine reads a finished prefill's blocks once."""
+    """The transfer route: a decode engine reads a finished prefill's blocks once, by the
+    transfer id the prefill minted (remote_request_id), never by a request id."""
     b: EngineBundle = request.app[BUNDLE]
-    rid = request.match_info["request_id"]
-    payload = await b.engine.call(lambda core: core.export_held(rid))
+    tid = request.match_info["transfer_id"]
+    payload = await b.engine.call(lambda core: core.export_held(tid))
     if payload is None:
-        raise APIError(f"No KV blocks are held for request {rid!r}.", 404)
+        raise APIError(f"No KV blocks are held for transfer {tid!r}.", 404)
     return web.Response(body=payload, content_type="application/octet-stream")
 
 
@@ -194,10 +199,15 @@ def peer_middleware(puller: PeerPuller):
 
 
 def build_app(bundle: EngineBundle) -> web.Application:
-    middlewares = [error_middleware]
     config = bundle.config
+    keys = EngineKeys.of(config)
+    # the credential is checked before anything else works for the request (engine.auth)
+    middlewares = [error_middleware, auth_middleware(keys)]
     puller = PeerPuller(
-        bundle, parse_allowlist(config.kv_peer_allowlist), transport=config.kv_peer_transport
+        bundle,
+        parse_allowlist(config.kv_peer_allowlist),
+        transport=config.kv_peer_transport,
+        key=keys.kv_transfer,
     )
     middlewares.append(peer_middleware(puller))
     if bundle.faults is not None:
@@ -206,8 +216,9 @@ def build_app(bundle: EngineBundle) -> web.Application:
     app[BUNDLE] = bundle
     app[SEGMENTS] = shm_transfer.SegmentWriter()
     app[openai_routes.SERVING] = bundle.serving
+    bundle.serving.trust_request_chat_template = config.trust_request_chat_template
     app[openai_routes.FAULTS] = bundle.faults
-    if bundle.faults is not None:
+    if bundle.faults is not None and keys.admin is not None:  # no admin key: no admin routes
         app.router.add_routes(bundle.faults.routes())
     app.router.add_get("/health", health)
     app.router.add_route("*", "/ping", health)
@@ -220,9 +231,10 @@ def build_app(bundle: EngineBundle) -> web.Application:
     app.router.add_post("/detokenize", detokenize)
     app.router.add_post("/v1/completions", openai_routes.completions)
     app.router.add_post("/v1/chat/completions", openai_routes.chat_completions)
-    app.router.add_get("/kv_transfer/{request_id}", kv_transfer)
+    app.router.add_get("/kv_transfer/{transfer_id}", kv_transfer)
     app.router.add_post(BLOCKS_ROUTE, kv_transfer_blocks)
-    if os.environ.get("VLLM_SERVER_DEV_MODE") == "1" or os.environ.get("KVMESH_DEV_MODE") == "1":
+    dev_mode = "1" in (os.environ.get("VLLM_SERVER_DEV_MODE"), os.environ.get("KVMESH_DEV_MODE"))
+    if dev_mode and keys.admin is not None:
         app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
 
     async def on_startup(app: web.Application) -> None:

@@ -12,16 +12,20 @@ from dataclasses import dataclass, field
 
 from kvmesh.engine.async_engine import AsyncEngine, EngineOverloaded
 from kvmesh.engine.core import RequestOutput
+from kvmesh.engine.kv_transfer import held_blocks_headers
 from kvmesh.engine.sequence import Request, SamplingParams
-from kvmesh.engine.tokenizer import encode
+from kvmesh.engine.tokenizer import encode, encode_off_loop, min_tokens
+from kvmesh.protocol.chat_template import render_chat, request_template, text_of_parts
 from kvmesh.protocol.openai import (
     APIError,
     ChatCompletionRequest,
+    context_length_error,
     sse_event,
 )
 
 _counter = itertools.count()
 logger = logging.getLogger(__name__)
+OFF_LOOP_CHARS = 64 * 1024  # prompts this long are rendered and tokenized on a worker thread
 
 
 @dataclass(slots=True)
@@ -56,6 +60,8 @@ class OpenAIServing:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.max_logprobs = max_logprobs
+        self.transfer_key: str | None = None  # the KV-transfer key (builder sets it)
+        self.trust_request_chat_template = False  # server.build_app sets it from the config
 
     # ---- input side -------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -65,22 +71,65 @@ class OpenAIServing:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return encode(self.tokenizer, text, add_special_tokens)
 
-    def render_chat(self, req: ChatCompletionRequest) -> list[int]:
+    def check_room(
+        self, prompt_len: int, max_tokens: int | None, param: str, least: bool = False
+    ) -> int:
+        """Room left for the completion; a prompt (plus max_tokens) past the context: 400
+        (``least``: prompt_len is a lower bound)."""
+        room, limit = self.max_model_len - prompt_len, self.max_model_len
+        if room <= 0 or (max_tokens is not None and max_tokens > room):
+            raise context_length_error(limit, prompt_len, max_tokens or 0, param, least)
+        return room
+
+    async def tokenize(
+        self, text: str, special: bool, max_tokens: int | None, param: str, check: bool = True
+    ) -> list[int]:
+        """A prompt's token ids. A long one is first refused when no tokenization could fit it
+        in the context (``check``), else tokenized on a worker thread, the event loop free."""
+        if len(text) < OFF_LOOP_CHARS:
+            return self.encode(text, special)
+        least = min_tokens(self.tokenizer, text) if check else 0  # 0: no bound known
+        if least:
+            self.check_room(least, max_tokens, param, least=True)
+        return await asyncio.to_thread(encode_off_loop, self.tokenizer, text, special)
+
+    def chat_template(self, req: ChatCompletionRequest) -> str | None:
+        """The request's own template: None, or one --trust-request-chat-template allows."""
+        trusted = self.trust_request_chat_template
+        return request_template(req.chat_template, req.chat_template_kwargs, trusted)
+
+    def chat_text(self, req: ChatCompletionRequest, template: str | None) -> str:
+        """The chat's prompt text (protocol.chat_template: sandboxed, and a request's template
+        within its time budget)."""
         messages = [{k: v for k, v in msg_dict(m).items() if v is not None} for m in req.messages]
         if not messages:
             raise APIError("messages must not be empty.", param="messages")
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages,
-                tools=req.tools,
-                tokenize=False,
-                add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
-                continue_final_message=req.continue_final_message,
-                **(req.chat_template_kwargs or {}),
-            )
-        except Exception as exc:  # jinja errors, bad roles: the client's input
-            raise APIError(f"Chat template could not be applied: {exc}", param="messages") from None
+        return render_chat(
+            self.tokenizer,
+            messages,
+            tools=req.tools,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            template=template,
+            template_kwargs=req.chat_template_kwargs,
+        )
+
+    def render_chat(self, req: ChatCompletionRequest) -> list[int]:
+        """Token ids of a chat, on the calling thread (a request template still renders on a
+        thread of its own within its budget)."""
+        text = self.chat_text(req, self.chat_template(req))
         return self.encode(text, add_special_tokens=False)
+
+    async def tokenize_chat(self, req: ChatCompletionRequest, check: bool = True) -> list[int]:
+        """Token ids of a chat; a long chat, or one with its own template, is rendered on a
+        worker thread, and its text tokenized as ``tokenize`` does."""
+        template = self.chat_template(req)
+        if template is None and _chat_chars(req) < OFF_LOOP_CHARS:
+            text = self.chat_text(req, None)
+        else:
+            text = await asyncio.to_thread(self.chat_text, req, template)
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        return await self.tokenize(text, False, max_tokens, "messages", check)
 
     def sampling_params(
         self, req, prompt_len: int, max_tokens: int | None, logprobs: int | None
@@ -96,16 +145,8 @@ class OpenAIServing:
                 raise APIError(f"{name} is not supported by this engine.", param=name)
         if prompt_len == 0:
             raise APIError("The prompt is empty.", param="prompt")
-        room = self.max_model_len - prompt_len
-        if room <= 0 or (max_tokens is not None and max_tokens > room):
-            asked = max_tokens or 0
-            raise APIError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {prompt_len + asked} tokens ({prompt_len} in the messages, "
-                f"{asked} in the completion). Please reduce the length of the messages or "
-                "completion.",
-                param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
-            )
+        param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+        room = self.check_room(prompt_len, max_tokens, param)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         params = SamplingParams(
             max_tokens=room if max_tokens is None else max_tokens,
@@ -159,13 +200,13 @@ class OpenAIServing:
         """Read a prefill engine's blocks and import them; tokens saved (0: recompute)."""
         import aiohttp
 
-        url = (
-            f"http://{params['remote_host']}:{params['remote_port']}/kv_transfer/"
-            f"{params.get('remote_request_id') or ''}"
-        )
+        rid = f"{params.get('remote_request_id') or ''}"
+        url = f"http://{params['remote_host']}:{params['remote_port']}/kv_transfer/{rid}"
+        # a token for this read only: the host is the request's choice, the key must stay here
+        headers = held_blocks_headers(self.transfer_key, rid)
         try:
             async with (
-                aiohttp.ClientSession() as session,
+                aiohttp.ClientSession(headers=headers) as session,
                 session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp,
             ):
                 if resp.status != 200:
@@ -245,14 +286,9 @@ class OpenAIServing:
 
 
 def msg_dict(m) -> dict:
-    content = m.content
-    if isinstance(content, list):  # content parts: text only
-        texts = []
-        for part in content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError("Only text content parts are supported.", param="messages")
-            texts.append(part["text"])
-        content = "".join(texts)
+    content = text_of_parts(m.content)  # text parts joined by newlines, as vLLM joins them
+    if isinstance(content, list):
+        raise APIError("Only text content parts are supported.", param="messages")
     return {
         "role": m.role,
         "content": content,
@@ -260,6 +296,15 @@ def msg_dict(m) -> dict:
         "tool_calls": m.tool_calls,
         "tool_call_id": m.tool_call_id,
     }
+
+
+def _chat_chars(req: ChatCompletionRequest) -> int:
+    """About how long the chat's prompt text will be (tools counted roughly)."""
+    n = 4096 * len(req.tools or ())
+    for m in req.messages:
+        c = m.content
+        n += 64 + (len(c) if isinstance(c, str) else sum(len(str(p)) for p in c or ()))
+    return n
 
 
 def now_s() -> int:

@@ -14,7 +14,10 @@ Invariants:
   it only if it still exists `ttl` seconds after answering (the puller never came) or when the
   peer shuts down. Either way the name is gone once, and no process is left holding it;
 - a segment that cannot be opened, or whose size differs from the answer, makes the puller ask
-  again for the bytes over TCP; one that fails verification is recomputed, like a bad payload.
+  again for the bytes over TCP; one that fails verification is recomputed, like a bad payload;
+- a peer keeps at most `max_segments` segments, and `max_share` of the /dev/shm filesystem,
+  written and not yet collected (counting those being written); past either it answers with
+  the bytes, so no caller can fill /dev/shm by asking and never collecting.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ SHM_DIR = Path("/dev/shm")
 NAME_PREFIX = "kvmesh-kv-"
 NAME_RE = re.compile(r"kvmesh-kv-[0-9a-f]{32}")
 SEGMENT_TTL_S = 60.0
+MAX_SEGMENTS = 16
+MAX_SHARE = 0.25  # of /dev/shm's size, outstanding at once
 
 
 def available(directory: Path = SHM_DIR) -> bool:
@@ -63,10 +68,38 @@ def same_host(remote: str | None, sockname: tuple | None) -> bool:
 class SegmentWriter:
     """The peer's side: writes payloads into segments and unlinks the ones never collected."""
 
-    def __init__(self, directory: Path = SHM_DIR, ttl: float = SEGMENT_TTL_S) -> None:
+    def __init__(
+        self,
+        directory: Path = SHM_DIR,
+        ttl: float = SEGMENT_TTL_S,
+        max_segments: int = MAX_SEGMENTS,
+        max_share: float = MAX_SHARE,
+    ) -> None:
         self.directory = directory
         self.ttl = ttl
-        self.pending: dict[str, asyncio.TimerHandle] = {}
+        self.max_segments = max_segments
+        self.max_share = max_share
+        self.pending: dict[str, tuple[asyncio.TimerHandle, int]] = {}  # by name: (expiry, size)
+        self.writing: list[int] = []  # sizes of the segments being written now
+
+    def _prune(self) -> None:
+        """Forget the segments their pullers collected (unlinked): they hold no /dev/shm."""
+        for name, (timer, _) in list(self.pending.items()):
+            if not (self.directory / name).exists():
+                timer.cancel()
+                del self.pending[name]
+
+    def has_room(self, size: int) -> bool:
+        """Whether one more segment of `size` bytes stays within the outstanding limits."""
+        self._prune()
+        if len(self.pending) + len(self.writing) >= self.max_segments:
+            return False
+        try:
+            fs = os.statvfs(self.directory)
+        except OSError:
+            return False
+        outstanding = sum(s for _, s in self.pending.values()) + sum(self.writing)
+        return outstanding + size <= self.max_share * fs.f_blocks * fs.f_frsize
 
     def write(self, parts: list) -> dict | None:
         """The payload parts in a new segment: its answer, or None (no room, no /dev/shm)."""
@@ -91,12 +124,21 @@ class SegmentWriter:
         return {"shm_name": name, "size": size}
 
     async def answer(self, parts: list) -> dict | None:
-        """Write off the event loop; the segment is unlinked after ttl unless collected."""
-        segment = await asyncio.to_thread(self.write, parts)
+        """Write off the event loop; the segment is unlinked after ttl unless collected.
+        None (send the bytes instead) past the outstanding limits."""
+        size = sum(len(p) for p in parts)
+        if not self.has_room(size):
+            logger.warning("KV shared-memory segments at their limit; sending bytes")
+            return None
+        self.writing.append(size)
+        try:
+            segment = await asyncio.to_thread(self.write, parts)
+        finally:
+            self.writing.remove(size)
         if segment is not None:
             name = segment["shm_name"]
             loop = asyncio.get_running_loop()
-            self.pending[name] = loop.call_later(self.ttl, self.expire, name)
+            self.pending[name] = (loop.call_later(self.ttl, self.expire, name), size)
         return segment
 
     def expire(self, name: str) -> None:
@@ -106,7 +148,7 @@ class SegmentWriter:
             logger.warning("KV shared-memory segment %s was never collected; removed", name)
 
     def close(self) -> None:
-        for name, timer in list(self.pending.items()):
+        for name, (timer, _) in list(self.pending.items()):
             timer.cancel()
             self.expire(name)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import logging
 import os
 from pathlib import Path
@@ -107,3 +108,75 @@ def encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
     if backend is not None:
         return backend.encode(text, add_special_tokens=add_special_tokens).ids
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def encode_off_loop(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """``encode`` for a worker thread: through the Rust tokenizer's ``encode_batch``, which
+    releases the GIL while it works (its ``encode`` holds it), so the event loop runs meanwhile."""
+    backend = rust_backend(tokenizer)
+    if backend is not None:
+        return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def _byte_symbols() -> list[str]:
+    """The ByteLevel pre-tokenizer's symbol for each byte value (GPT-2's table)."""
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
+
+
+def token_span(tokenizer) -> tuple[int, bytes] | None:
+    """(the most bytes of text one token can stand for, the bytes that vanish in tokenization)
+    when the tokenizer's structure bounds them, else None; cached on the tokenizer.
+
+    Sound for a byte-level BPE whose wrapper encodes as its Rust tokenizer does: no normalizer
+    (one could drop characters); pre-tokenizers that map each byte to one symbol (ByteLevel)
+    or only cut (Split without removal, Digits); a BPE model without fused unknowns. Each token
+    is then a vocabulary entry of at most `most` symbols, or an added token matched verbatim;
+    a byte whose symbol is not in the vocabulary vanishes (or becomes one unknown token)."""
+    cached = getattr(tokenizer, "_kvmesh_token_span", False)
+    if cached is not False:
+        return cached
+    span = None
+    backend = rust_backend(tokenizer)
+    try:
+        spec = json.loads(backend.to_str()) if backend is not None else None
+        pre = (spec or {}).get("pre_tokenizer") or {}
+        parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+        kinds = {p.get("type") for p in parts}
+        cuts_only = all(p.get("behavior") != "Removed" for p in parts if p.get("type") == "Split")
+        model = (spec or {}).get("model") or {}
+        if (
+            spec is not None
+            and spec.get("normalizer") is None
+            and "ByteLevel" in kinds
+            and kinds <= {"ByteLevel", "Split", "Digits"}
+            and cuts_only
+            and model.get("type") == "BPE"
+            and not model.get("fuse_unk")
+        ):
+            vocab = model["vocab"]
+            added = [len(t["content"].encode()) for t in spec.get("added_tokens") or ()]
+            most = max(max(map(len, vocab), default=0), *added, 1)
+            vanish = bytes(b for b, s in enumerate(_byte_symbols()) if s not in vocab)
+            span = (most, vanish)
+    except (AttributeError, KeyError, TypeError, ValueError):  # an unusual tokenizer: no bound
+        span = None
+    with contextlib.suppress(AttributeError):
+        tokenizer._kvmesh_token_span = span
+    return span
+
+
+def min_tokens(tokenizer, text: str) -> int:
+    """A lower bound on ``len(encode(tokenizer, text))`` from the text's bytes alone (0 when
+    the tokenizer's structure gives none): C-speed, for refusing a prompt no tokenization could
+    fit in the context before spending seconds tokenizing it."""
+    span = token_span(tokenizer)
+    if span is None:
+        return 0
+    most, vanish = span
+    data = text.encode("utf-8", "surrogatepass")
+    if vanish:
+        data = data.translate(None, vanish)
+    return -(-len(data) // most)

@@ -16,14 +16,16 @@ PREFILL_REQUEST_PARAMS = {
 
 def prefill_response_params(
     engine_id: str,
-    request_id: str,
+    transfer_id: str,
     block_ids: list[int],
     host: str,
     port: int,
     num_tokens: int,
     tp_size: int = 1,
 ) -> dict:
-    """What a prefill engine answers; the proxy passes it unchanged to the decode engine."""
+    """What a prefill engine answers; the proxy passes it unchanged to the decode engine.
+    `remote_request_id` is the id the decode engine reads the held blocks by: vLLM's prefill
+    sends its internal (suffixed) request id there; kvmesh's, a random transfer id it minted."""
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -31,7 +33,7 @@ def prefill_response_params(
         "remote_block_ids": [block_ids],
         "remote_host": host,
         "remote_port": port,
-        "remote_request_id": request_id,
+        "remote_request_id": transfer_id,
         "remote_num_tokens": num_tokens,
         "tp_size": tp_size,
         "transfer_mode": "pull",

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+import msgspec.inspect as mi
 
 
 class StreamOptions(msgspec.Struct, omit_defaults=True):
@@ -19,7 +20,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     top_k: int | None = None
     min_p: float | None = None
     n: int = 1
-    seed: int | None = None
+    seed: Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] | None = None  # as vLLM's
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     stream: bool = False
@@ -83,6 +84,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None  # refused unless --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -107,6 +109,8 @@ class APIError(Exception):
 
     TYPES = {
         400: "BadRequestError",
+        401: "AuthenticationError",
+        403: "PermissionDeniedError",
         404: "NotFoundError",
         413: "RequestEntityTooLarge",
         405: "MethodNotAllowed",
@@ -143,23 +147,80 @@ def error_body(message: str, status: int, param: str | None = None) -> dict[str,
     }
 
 
+def context_length_error(
+    max_model_len: int, prompt_tokens: int, completion_tokens: int, param: str, at_least: bool
+) -> APIError:
+    """vLLM's words for a prompt (plus the completion asked for) past the context length;
+    ``at_least``: the prompt's count is a lower bound, from its length in characters."""
+    some = "at least " if at_least else ""
+    return APIError(
+        f"This model's maximum context length is {max_model_len} tokens. However, you "
+        f"requested {some}{prompt_tokens + completion_tokens} tokens ({some}{prompt_tokens} in "
+        f"the messages, {completion_tokens} in the completion). Please reduce the length of the "
+        "messages or completion.",
+        param=param,
+    )
+
+
+MAX_JSON_DEPTH = 64  # arrays and objects nested deeper than this in a request body: 400
+TOO_DEEP = f"The request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)."
+_LEAVES = frozenset({str, int, float, bool, type(None)})
+_SCALARS = (mi.StrType, mi.IntType, mi.FloatType, mi.BoolType, mi.NoneType)
 _decoders: dict[type, msgspec.json.Decoder] = {}
+_nesting: dict[type, tuple[str, ...]] = {}  # Struct class -> its fields that may hold containers
 _encoder = msgspec.json.Encoder()
 
 
+def _scalar(t: mi.Type) -> bool:
+    return isinstance(t, _SCALARS) or isinstance(t, mi.UnionType) and all(map(_scalar, t.types))
+
+
+def nested_too_deeply(value: Any, levels: int = MAX_JSON_DEPTH) -> bool:
+    """Whether decoded JSON (dicts, lists, Structs) nests more than ``levels`` containers;
+    costs a look at each container and, in C, at each item of a long list of scalars."""
+    if isinstance(value, msgspec.Struct):
+        cls = type(value)
+        names = _nesting.get(cls)
+        if names is None:
+            fields = mi.type_info(cls).fields
+            names = _nesting[cls] = tuple(f.name for f in fields if not _scalar(f.type))
+        items: Any = [getattr(value, name) for name in names]
+    elif type(value) is dict:
+        items = value.values()
+    elif type(value) is list:
+        items = value
+        if len(value) > 16 and all(map(_LEAVES.__contains__, map(type, value))):
+            return levels < 1
+    else:
+        return False
+    if levels < 1:
+        return True
+    for item in items:  # noqa: SIM110 - a plain loop: any() over a generator costs twice this
+        if type(item) not in _LEAVES and nested_too_deeply(item, levels - 1):
+            return True
+    return False
+
+
 def decode_request(body: bytes, cls: type[msgspec.Struct]):
-    """Parse and type-check a JSON body; any problem becomes a 400 naming the field."""
+    """Parse and type-check a JSON body; any problem becomes a 400 naming the field, and a
+    body nested more than MAX_JSON_DEPTH deep a 400 too (msgspec itself stops at Python's
+    recursion limit with a RecursionError)."""
     decoder = _decoders.get(cls)
     if decoder is None:
         decoder = _decoders[cls] = msgspec.json.Decoder(cls)
     if not body:
         raise APIError("The request body is empty; expected a JSON object.")
     try:
-        return decoder.decode(body)
+        value = decoder.decode(body)
     except msgspec.ValidationError as exc:
         raise APIError(f"Invalid request: {exc}") from None
     except msgspec.DecodeError as exc:
         raise APIError(f"Malformed JSON in request body: {exc}") from None
+    except RecursionError:
+        raise APIError(TOO_DEEP) from None
+    if nested_too_deeply(value):
+        raise APIError(TOO_DEEP)
+    return value
 
 
 def encode_json(obj: Any) -> bytes:

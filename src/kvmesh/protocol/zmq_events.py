@@ -65,6 +65,16 @@ def publisher_binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
+def bind_endpoint(endpoint: str, host: str | None) -> str:
+    """A wildcard tcp endpoint bound no wider than `host` (the engine's HTTP address):
+    tcp://*:5557 with host 127.0.0.1 binds tcp://127.0.0.1:5557; None keeps the wildcard."""
+    if host is None or host in ("", "*") or not endpoint.startswith("tcp://*:"):
+        return endpoint
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # an IPv6 address
+    return f"tcp://{host}:{endpoint.rpartition(':')[2]}"
+
+
 def offset_endpoint(endpoint: str, dp_rank: int) -> str:
     """Endpoint for a DP rank: tcp port + rank; ipc/inproc get a ``_dp{rank}`` suffix."""
     if dp_rank == 0:
@@ -101,13 +111,20 @@ class ZmqEventPublisher:
     """Publishes event batches from a background thread that owns both sockets."""
 
     def __init__(
-        self, config: KVEventsConfig, data_parallel_rank: int = 0, *, context: Any = None
+        self,
+        config: KVEventsConfig,
+        data_parallel_rank: int = 0,
+        *,
+        context: Any = None,
+        bind_host: str | None = None,
     ) -> None:
         self.config = config
         self.data_parallel_rank = data_parallel_rank
-        self.endpoint = offset_endpoint(config.endpoint, data_parallel_rank)
+        endpoint = offset_endpoint(config.endpoint, data_parallel_rank)
+        self._binds = publisher_binds(endpoint)  # decided before a wildcard gets its host
+        self.endpoint = bind_endpoint(endpoint, bind_host)  # bind_host: see bind_endpoint
         self.replay_endpoint = (
-            offset_endpoint(config.replay_endpoint, data_parallel_rank)
+            bind_endpoint(offset_endpoint(config.replay_endpoint, data_parallel_rank), bind_host)
             if config.replay_endpoint
             else None
         )
@@ -167,7 +184,7 @@ class ZmqEventPublisher:
         try:
             pub.setsockopt(zmq.SNDHWM, self.config.hwm)
             pub.setsockopt(zmq.LINGER, 500)
-            _attach(pub, self.endpoint, publisher_binds(self.endpoint))
+            _attach(pub, self.endpoint, self._binds)
             if router is not None and self.replay_endpoint:
                 router.setsockopt(zmq.LINGER, 0)
                 _attach(router, self.replay_endpoint, bind=True)  # the replay socket always binds
@@ -228,12 +245,12 @@ class ZmqEventPublisher:
 
 
 def make_event_publisher(
-    config: KVEventsConfig, dp_rank: int = 0
+    config: KVEventsConfig, dp_rank: int = 0, bind_host: str | None = None
 ) -> ZmqEventPublisher | NullEventPublisher:
     """The publisher the config asks for (null unless events are enabled)."""
     if not config.enable_kv_cache_events or config.publisher == "null":
         return NullEventPublisher()
-    return ZmqEventPublisher(config, dp_rank)
+    return ZmqEventPublisher(config, dp_rank, bind_host=bind_host)
 
 
 class KVEventSubscriber:

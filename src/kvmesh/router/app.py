@@ -4,13 +4,16 @@ request body's parsing router.request_parser, the wire router.proxy."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 
 import aiohttp
 
+from kvmesh.protocol.auth import bearer, validate_key
 from kvmesh.router import handlers
-from kvmesh.router.endpoints import Endpoint, EndpointPool
+from kvmesh.router.endpoints import Endpoint, EndpointPool, OutlierDetection
 from kvmesh.router.events import EventIngest
 from kvmesh.router.frontdoor import FrontDoor, Request, RouterServer, serve
 from kvmesh.router.index import ApproximateIndex, PreciseIndex
@@ -39,17 +42,60 @@ class RouterConfig:
     max_body_bytes: int = 32 * 2**20
     index_capacity: int = 2_000_000
     approx_capacity_per_endpoint: int = 31_250
-    first_byte_timeout: float = 600.0
+    # before the first byte an endpoint that is silent too long is left for another; a streaming
+    # answer's head comes with its first token, a non-streaming one's with the whole completion
+    first_byte_timeout: float = 60.0
+    non_streaming_first_byte_timeout: float = 300.0
+    stream_idle_timeout: float = 30.0  # mid-answer silence that cuts it; 0: never
+    # outlier detection (Envoy's consecutive_5xx): see endpoints.OutlierDetection
+    outlier_consecutive_errors: int = 5
+    outlier_base_ejection_time: float = 30.0
+    outlier_max_ejection_time: float = 300.0
+    outlier_max_ejection_percent: float = 50.0
     prefill_max_retries: int = 0  # P/D: prefill attempts beyond the first before falling back
     # a server whose /metrics shows several engine="<rank>" series: one endpoint per rank
     discover_data_parallel: bool = True
     # peer sharing: name another endpoint as the chosen one's KV source when it holds at least
     # this many more leading prompt tokens (precise index); 0: off
     kv_peer_min_cached_token_delta: int = 0
+    # requests that arrive this soon after start wait (at most that long) for the engines'
+    # KV-event replay to fill the precise index, so a restarted router routes as before; 0: off
+    kv_index_warmup_timeout: float = 1.0
+    # render templates that requests bring (chat_template, chat_template_kwargs.chat_template)
+    trust_request_chat_template: bool = False
+    # Bearer keys, never in repr or logs: the one clients must send on /v1/* (unset: none);
+    # the one sent to endpoints in place of the client's Authorization (unset: api_key; with
+    # neither, the client's header passes through)
+    api_key: str | None = field(default=None, repr=False)
+    endpoint_api_key: str | None = field(default=None, repr=False)
+
+    def outlier_detection(self) -> OutlierDetection:
+        return OutlierDetection(
+            self.outlier_consecutive_errors,
+            self.outlier_base_ejection_time,
+            self.outlier_max_ejection_time,
+            self.outlier_max_ejection_percent,
+        )
 
     def __post_init__(self) -> None:
+        for name in ("first_byte_timeout", "non_streaming_first_byte_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if self.stream_idle_timeout < 0:
+            raise ValueError("--stream-idle-timeout must be 0 (never) or positive")
+        self.outlier_detection()  # validates the outlier fields
+        validate_key("--api-key", self.api_key)
+        validate_key("--endpoint-api-key", self.endpoint_api_key)
+        if self.kv_index_warmup_timeout < 0:
+            raise ValueError("--kv-index-warmup-timeout must be 0 (off) or positive")
         if self.kv_peer_min_cached_token_delta < 0:
             raise ValueError("--kv-peer-min-cached-token-delta must be 0 (off) or positive")
+
+    def upstream_authorization(self, client: str | None) -> str | None:
+        """The Authorization sent to endpoints: the endpoint key (default: api_key), else the
+        client's own header (`client`) as it came."""
+        key = self.endpoint_api_key or self.api_key
+        return bearer(key) if key else client
 
 
 class Router:
@@ -67,6 +113,7 @@ class Router:
         self.tokens = PromptTokenizer(tokenizer, config.block_size, config.prefix_caching_hash_algo)
         # a profile of load scorers alone never reads token ids: do not tokenize for it
         self.parser = RequestParser(self.tokens, needs_tokens(self.pipeline), config.block_size)
+        self.parser.trust_request_chat_template = config.trust_request_chat_template
         endpoints = [Endpoint(u, kv_events=config.kv_events) for u in config.endpoints]
         self.pool = EndpointPool(
             endpoints,
@@ -74,6 +121,7 @@ class Router:
             config.endpoints_file,
             on_removed=self._removed,
             discover_data_parallel=config.discover_data_parallel,
+            outlier=config.outlier_detection(),
         )
         self.peer_sources = (
             PeerSourceConfig(config.kv_peer_min_cached_token_delta, config.block_size)
@@ -81,8 +129,10 @@ class Router:
             else None
         )
         self.metrics = RouterMetrics()
+        self.pool.metrics = self.metrics
         self.session: aiohttp.ClientSession | None = None
         self.events: EventIngest | None = None
+        self.warm_until = 0.0  # monotonic: requests wait for the index until then (0: never)
         self.links: dict[str, Link] = {}
 
     def link(self, e: Endpoint) -> Link:
@@ -104,15 +154,18 @@ class Router:
     def _lost(self, name: str) -> None:
         self.approximate_index.remove_endpoint(name)
         self.precise_index.remove_endpoint(name)
+        if self.events is not None:  # once back, its whole replay buffer is read again
+            self.events.resync(name)
 
     async def start(self) -> None:
         conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
         self.session = aiohttp.ClientSession(connector=conn, auto_decompress=False)
-        self.events = EventIngest(self.precise_index, self.session)
+        self.events = EventIngest(self.precise_index, self.session, self.metrics)
         # KV events feed the precise index only: skipped when neither the pipeline nor peer
         # source selection reads it
         subscribe = reads_precise_index(self.pipeline) or self.peer_sources is not None
         if self.config.kv_events and subscribe:
+            self.warm_until = time.monotonic() + self.config.kv_index_warmup_timeout
             for e in self.pool.endpoints.values():
                 e.kv_events = e.kv_events or self.config.kv_events
                 self.events.watch(e)
@@ -125,6 +178,15 @@ class Router:
         self.pool.on_added = added
         self.pool.on_lost = self._lost
         await self.pool.start(self.session)
+
+    async def wait_index_warm(self) -> None:
+        """Until every endpoint's replay is in the precise index or the warm-up time is over."""
+        while self.events is not None and not self.events.all_warm():
+            left = self.warm_until - time.monotonic()
+            if left <= 0:
+                break
+            await asyncio.sleep(min(0.02, left))
+        self.warm_until = 0.0  # once warm (or out of time), requests never wait again
 
     async def stop(self) -> None:
         await self.pool.stop()
@@ -171,8 +233,10 @@ class Router:
         m.index_entries.labels("approximate").set(self.approximate_index.num_entries())
         if self.events is not None:
             m.event_lag.set(self.events.lag_seconds)
+        now = time.monotonic()
         for e in self.pool.endpoints.values():
             m.healthy.labels(e.name).set(1 if e.healthy else 0)
+            m.ejected.labels(e.name).set(1 if e.ejected_until > now else 0)
             m.in_flight.labels(e.name).set(e.in_flight)
         return m.render()
 

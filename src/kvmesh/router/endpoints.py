@@ -1,5 +1,6 @@
 """Endpoints and what the router knows of each: health, load scraped from /metrics, requests in
-flight through this router, and where its KV events are published."""
+flight through this router, and where its KV events are published; and outlier detection, which
+takes an endpoint that keeps failing requests out of rotation for a while, as Envoy's does."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from kvmesh.protocol.zmq_events import offset_endpoint
 
 logger = logging.getLogger(__name__)
 LOST_AFTER = 3
+MAX_BACKOFF = 2.0  # an unreachable endpoint is checked again at least this often
 
 
 @dataclass(slots=True, eq=False)
@@ -29,6 +31,7 @@ class Endpoint:
     labels: dict[str, str] = field(default_factory=dict)
     models: tuple[str, ...] = ()
     kv_events: str | None = None  # ZMQ endpoint to subscribe to; "auto": ask /kv_event_sources
+    kv_events_replay: str | None = None  # its replay socket, when kv_events is given, not "auto"
     dp_rank: int | None = None  # a data-parallel rank of a server: sent as X-data-parallel-rank
     healthy: bool = True
     waiting: float = 0.0
@@ -37,9 +40,13 @@ class Endpoint:
     in_flight: int = 0
     in_flight_tokens: int = 0
     pending_prefill_tokens: int = 0  # uncached prompt tokens of forwarded requests not answered yet
-    failures: int = 0
+    failures: int = 0  # failed checks (connects, scrapes) in a row
     retry_at: float = 0.0
     last_scrape: float = 0.0
+    errors: int = 0  # requests failed in a row (5xx answers, timeouts): the outlier count
+    ejected_until: float = 0.0  # monotonic; out of rotation until then
+    ejected: bool = False  # an ejection whose end the scrape loop has not yet seen
+    times_ejected: int = 0  # the next ejection lasts base time x this, decaying while in service
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
@@ -52,10 +59,11 @@ class Endpoint:
         return urlparse(self.url).hostname or "127.0.0.1"
 
     def mark_failure(self, now: float) -> None:
-        """Exponential backoff: 0.5 s doubling to 30 s between checks of a failing endpoint."""
+        """Unreachable: checked again after 0.25 s doubling to MAX_BACKOFF, so an engine that
+        restarted is back in rotation within about MAX_BACKOFF of answering /metrics."""
         self.failures += 1
         self.healthy = False
-        self.retry_at = now + min(30.0, 0.5 * 2 ** (self.failures - 1))
+        self.retry_at = now + min(MAX_BACKOFF, 0.25 * 2 ** min(self.failures - 1, 8))
 
     def mark_success(self) -> None:
         self.failures = 0
@@ -72,11 +80,14 @@ def data_parallel_ranks(base: Endpoint, size: int) -> list[Endpoint]:
 def rank_endpoints(base: Endpoint, ranks) -> list[Endpoint]:
     out = []
     for rank in ranks:
-        events = base.kv_events
+        events, replay = base.kv_events, base.kv_events_replay
         if events and events != "auto":
             events = offset_endpoint(events, rank)
+            replay = offset_endpoint(replay, rank) if replay else None
         name = f"{base.name}#dp{rank}"
-        out.append(Endpoint(base.url, name, dict(base.labels), base.models, events, dp_rank=rank))
+        out.append(
+            Endpoint(base.url, name, dict(base.labels), base.models, events, replay, dp_rank=rank)
+        )
     return out
 
 
@@ -90,7 +101,7 @@ def page_ranks(text: str) -> list[int]:
 
 def load_endpoints_file(path: str | Path) -> list[Endpoint]:
     """YAML or JSON: a list of URLs, or of {url, name, labels, models, kv_events,
-    data_parallel_size}."""
+    kv_events_replay, data_parallel_size}."""
     data = yaml.safe_load(Path(path).read_text()) or []
     if isinstance(data, dict):
         data = data.get("endpoints", [])
@@ -105,6 +116,7 @@ def load_endpoints_file(path: str | Path) -> list[Endpoint]:
                 {str(k): str(v) for k, v in (item.get("labels") or {}).items()},
                 tuple(item.get("models") or ()),
                 item.get("kv_events"),
+                item.get("kv_events_replay"),
             )
             size = item.get("data_parallel_size", 1)
             if not isinstance(size, int) or size < 1:
@@ -125,8 +137,33 @@ def rank_page(text: str, rank: int | None) -> str:
     return "\n".join(lines) if lines else text
 
 
+@dataclass(slots=True)
+class OutlierDetection:
+    """Envoy's consecutive-5xx outlier detection: an endpoint whose requests fail this many
+    times in a row (a 5xx answer, a timeout before the first byte or mid-stream; a broken
+    connection is the reachability check's business) leaves rotation for the base time
+    multiplied by its ejections so far, at most max_ejection_time; at most max_ejection_percent
+    of the fleet (but always one endpoint) is out at once, and never the last in rotation."""
+
+    consecutive_errors: int = 5  # 0: never eject
+    base_ejection_time: float = 30.0
+    max_ejection_time: float = 300.0
+    max_ejection_percent: float = 50.0
+
+    def __post_init__(self) -> None:
+        if self.consecutive_errors < 0:
+            raise ValueError("--outlier-consecutive-errors must be 0 (off) or positive")
+        if not 0 < self.base_ejection_time <= self.max_ejection_time:
+            raise ValueError("outlier ejection times: 0 < base <= max")
+        if not 0 <= self.max_ejection_percent <= 100:
+            raise ValueError("--outlier-max-ejection-percent must be in [0, 100]")
+
+
 class EndpointPool:
-    """The live set of endpoints, kept fresh by background tasks on the router's event loop."""
+    """The live set of endpoints, kept fresh by background tasks on the router's event loop.
+    Invariant: candidates() are the healthy (reachable) endpoints not ejected at that moment;
+    a scrape never ends an ejection early, except for an endpoint that was gone LOST_AFTER
+    checks (a restarted engine starts afresh)."""
 
     def __init__(
         self,
@@ -135,6 +172,7 @@ class EndpointPool:
         endpoints_file: str | None = None,
         on_removed=None,
         discover_data_parallel: bool = True,
+        outlier: OutlierDetection | None = None,
     ) -> None:
         self.endpoints: dict[str, Endpoint] = {e.name: e for e in endpoints}
         self.scrape_interval = scrape_interval
@@ -142,13 +180,57 @@ class EndpointPool:
         self.on_removed = on_removed or (lambda name: None)
         self.on_added = lambda endpoint: None
         self.on_lost = lambda name: None  # an endpoint failed LOST_AFTER checks in a row
+        self.metrics = None  # RouterMetrics: ejections and re-admissions are counted there
         self.discover_data_parallel = discover_data_parallel
+        self.outlier = outlier or OutlierDetection()
         self._file_mtime = 0.0
         self._tasks: list[asyncio.Task] = []
         self._session: aiohttp.ClientSession | None = None
 
     def candidates(self) -> list[Endpoint]:
-        return [e for e in self.endpoints.values() if e.healthy]
+        now = time.monotonic()
+        return [e for e in self.endpoints.values() if e.healthy and e.ejected_until <= now]
+
+    def unreachable(self, e: Endpoint) -> None:
+        """A connect or a scrape failed: out of rotation until a scrape succeeds; gone (what
+        it cached no longer counted on) at the LOST_AFTER-th failure in a row."""
+        was = e.healthy
+        e.mark_failure(time.monotonic())
+        if was:
+            logger.warning("endpoint %s unreachable", e.name)
+            self._count("ejections", e.name, "unreachable")
+        if e.failures == LOST_AFTER:
+            self.on_lost(e.name)
+
+    def request_failed(self, e: Endpoint, reason: str) -> None:
+        """A request failed at e (reason: 5xx or timeout); eject e when that made
+        consecutive_errors in a row and the fleet can spare it."""
+        od = self.outlier
+        e.errors += 1
+        now = time.monotonic()
+        if not od.consecutive_errors or e.errors < od.consecutive_errors or e.ejected_until > now:
+            return
+        others = [x for x in self.endpoints.values() if x is not e]
+        out = sum(1 for x in others if x.ejected_until > now)
+        if out + 1 > max(1, int(len(self.endpoints) * od.max_ejection_percent / 100)):
+            return  # the count stands: e goes once another comes back
+        if not any(x.healthy and x.ejected_until <= now for x in others):
+            return  # the last in rotation: without it requests would try all anyway
+        if e.ejected_until:  # one ejection forgiven per base time spent in service since
+            served = (now - e.ejected_until) / od.base_ejection_time
+            e.times_ejected = max(0, e.times_ejected - int(served))
+        e.times_ejected += 1
+        span = min(od.max_ejection_time, od.base_ejection_time * e.times_ejected)
+        e.ejected_until, e.ejected, e.errors = now + span, True, 0
+        logger.warning(
+            "endpoint %s ejected for %.3g s: %d requests failed in a row (last: %s)",
+            e.name, span, od.consecutive_errors, reason,
+        )  # fmt: skip
+        self._count("ejections", e.name, reason)
+
+    def _count(self, counter: str, name: str, reason: str) -> None:
+        if self.metrics is not None:
+            getattr(self.metrics, counter).labels(name, reason).inc()
 
     async def start(self, session: aiohttp.ClientSession) -> None:
         self._session = session
@@ -198,6 +280,10 @@ class EndpointPool:
             for e in self.endpoints.values():
                 if e.healthy or e.retry_at <= now:
                     due.setdefault(e.url, []).append(e)
+                if e.ejected and e.ejected_until <= now:
+                    e.ejected = False
+                    logger.info("endpoint %s back from ejection", e.name)
+                    self._count("readmissions", e.name, "ejection_expired")
             if due:
                 await asyncio.gather(*(self.scrape(*group) for group in due.values()))
             await asyncio.sleep(self.scrape_interval)
@@ -214,12 +300,7 @@ class EndpointPool:
                 text = await resp.text()
         except (TimeoutError, aiohttp.ClientError, OSError):
             for e in endpoints:
-                was = e.healthy
-                e.mark_failure(time.monotonic())
-                if was:
-                    logger.warning("endpoint %s unhealthy", e.name)
-                if e.failures == LOST_AFTER:  # gone: what it cached is no longer to be counted on
-                    self.on_lost(e.name)
+                self.unreachable(e)
             return
         if self.discover_data_parallel and endpoints[0].dp_rank is None:
             ranks = page_ranks(text)
@@ -228,6 +309,9 @@ class EndpointPool:
         for e in endpoints:
             if not e.healthy:
                 logger.info("endpoint %s healthy again", e.name)
+                self._count("readmissions", e.name, "reachable")
+                if e.failures >= LOST_AFTER:  # it was gone: a restarted engine starts afresh
+                    e.ejected_until, e.ejected, e.times_ejected, e.errors = 0.0, False, 0, 0
             e.mark_success()
             e.waiting, e.running, e.kv_usage = parse_engine_load(rank_page(text, e.dp_rank))
             e.last_scrape = time.monotonic()

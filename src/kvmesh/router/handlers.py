@@ -10,10 +10,12 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from kvmesh.protocol.auth import UNAUTHORIZED, bearer_matches
+from kvmesh.protocol.openai import APIError
 from kvmesh.router.backlog import uncached_tokens
 from kvmesh.router.pd import prefill_remotely
 from kvmesh.router.peer_source import PEER_HEADER, PeerSource, select_source
-from kvmesh.router.proxy import Exchange, Upstream, UpstreamError
+from kvmesh.router.proxy import Exchange, IdleWatch, StreamIdle, Upstream, UpstreamError
 
 if TYPE_CHECKING:
     from kvmesh.router.app import Router
@@ -24,10 +26,39 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 INFERENCE_PATHS = frozenset(("/v1/completions", "/v1/chat/completions"))
 _BROKE = b'data: {"error": {"message": "upstream stream broke", "type": "InternalServerError", "code": 502}}\n\n'  # noqa: E501
+_STALLED = b'data: {"error": {"message": "upstream stream stalled", "type": "InternalServerError", "code": 504}}\n\n'  # noqa: E501
+
+
+class _Stream(msgspec.Struct):
+    stream: bool = False
+
+
+_stream_flag = msgspec.json.Decoder(_Stream)
+
+
+def _non_streaming_patience(router: Router, body: bytes) -> float:
+    """Seconds to wait beyond the first-byte timeout: a non-streaming answer's head comes only
+    with the whole completion. Read only once the first-byte timeout has passed."""
+    try:
+        if _stream_flag.decode(body).stream:
+            return 0.0
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        pass
+    cfg = router.config
+    return max(0.0, cfg.non_streaming_first_byte_timeout - cfg.first_byte_timeout)
+
+
+def upstream_auth(router: Router, request: Request) -> str:
+    """The Authorization header line sent to an endpoint (RouterConfig says which)."""
+    auth = router.config.upstream_authorization(request.headers.get("authorization"))
+    return f"Authorization: {auth}\r\n" if auth else ""
 
 
 async def handle(router: Router, door: FrontDoor, request: Request) -> None:
     path, method = request.path, request.method
+    key, auth = router.config.api_key, request.headers.get("authorization")
+    if key and path.startswith("/v1") and not bearer_matches(auth, key):  # as vLLM: /v1/* only
+        return door.respond_error(401, UNAUTHORIZED, "WWW-Authenticate: Bearer\r\n")
     if path in INFERENCE_PATHS:
         if method != "POST":
             return door.respond_error(405, f"{method} is not allowed on {path}.")
@@ -40,7 +71,8 @@ async def handle(router: Router, door: FrontDoor, request: Request) -> None:
         return door.respond(200, router.render_metrics(), "text/plain; version=0.0.4")
     for e in router.pool.candidates():
         link = router.link(e)
-        head = f"GET /v1/models HTTP/1.1\r\n{link.headers}\r\n".encode("latin-1")
+        auth = upstream_auth(router, request)
+        head = f"GET /v1/models HTTP/1.1\r\n{link.headers}{auth}\r\n".encode("latin-1")
         sent = await _send(router, door, e, [head], 5.0)
         if isinstance(sent, tuple) and sent[0].status < 500:
             await _relay(router, door, e, *sent)
@@ -52,10 +84,14 @@ async def handle_inference(router: Router, door: FrontDoor, request: Request) ->
     t0 = time.perf_counter()
     try:
         req = await router.parser.parse(request)
+    except APIError as exc:  # limits, untrusted templates: the client's error, OpenAI-shaped
+        return door.respond_error(exc.status, exc.message)
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
         return door.respond_error(400, f"Invalid request: {exc}")
     except Exception as exc:  # a chat template that rejects the messages, etc.
         return door.respond_error(400, f"Could not tokenize the request: {exc}")
+    if router.warm_until:  # just started: the engines' KV-event replay is still coming in
+        await router.wait_index_warm()
     tried: set[str] = set()
     for attempt in range(router.config.max_retries + 1):
         result = router.pick(req, tried)
@@ -93,12 +129,11 @@ async def _forward(
     False when e failed before the first byte (try another). `source`: the peer e pulls
     the prefix it lacks from (named in the header llm-d's P2P flow uses)."""
     link = router.link(e)
-    auth = request.headers.get("authorization")
     peer = f"{PEER_HEADER}: {source.address}\r\n" if source else ""
     head = (
         f"POST {request.target} HTTP/1.1\r\n{link.headers}Content-Type: application/json\r\n"
         f"X-Request-Id: {req.request_id}\r\nContent-Length: {len(body)}\r\n{peer}"
-        + (f"Authorization: {auth}\r\n\r\n" if auth else "\r\n")
+        f"{upstream_auth(router, request)}\r\n"
     ).encode("latin-1")
     tokens, prefill = len(req.token_ids), uncached_tokens(req, e.name)
     e.in_flight += 1
@@ -114,7 +149,13 @@ async def _forward(
 
     try:
         sent = await _send(
-            router, door, e, [head, body], router.config.first_byte_timeout, first_byte
+            router,
+            door,
+            e,
+            [head, body],
+            router.config.first_byte_timeout,
+            first_byte,
+            lambda: _non_streaming_patience(router, body),
         )
         if isinstance(sent, str):
             router.metrics.count(e.name, sent)
@@ -122,6 +163,7 @@ async def _forward(
         ex, conn = sent
         if ex.status >= 500:
             router.metrics.count(e.name, f"http_{ex.status}")
+            router.pool.request_failed(e, "5xx")
             return False
         _record_decision(router, req, e)
         if source is not None:
@@ -142,12 +184,24 @@ async def _send(
     parts: list[bytes],
     first_byte_timeout: float,
     first_body=None,
+    patience=None,
 ) -> tuple[Exchange, Upstream] | str:
     """Send parts to e; once its answer's head is in (passed on unless 5xx), the exchange;
-    before that, the failure as a metrics outcome. A pooled connection that the endpoint
-    had closed meanwhile is retried on a fresh one."""
+    before that, the failure as a metrics outcome (an unreachable e leaves rotation; a timeout
+    counts towards its ejection). A pooled connection that the endpoint had closed meanwhile
+    is retried on a fresh one. ``patience()``: asked when first_byte_timeout has passed, the
+    seconds more to wait."""
     link = router.link(e)
     loop = asyncio.get_running_loop()
+
+    def expire(ex: Exchange) -> None:
+        nonlocal timer
+        more = patience() if patience is not None else 0.0
+        if more > 0 and not ex.head.done():
+            timer = loop.call_later(more, ex.on_timeout)
+        else:
+            ex.on_timeout()
+
     for fresh in (False, True):
         conn = None if fresh else link.pool.take()
         reused = conn is not None
@@ -155,22 +209,22 @@ async def _send(
             try:
                 conn = await link.pool.connect(5.0)
             except (OSError, TimeoutError):
-                e.mark_failure(time.monotonic())
+                router.pool.unreachable(e)
                 return "connect_error"
         ex = Exchange(door, link.tag, first_body)
         door.upstream = conn
         conn.send(parts, ex)
-        timer = loop.call_later(first_byte_timeout, ex.on_timeout)
+        timer = loop.call_later(first_byte_timeout, expire, ex)
         try:
             await ex.head
         except UpstreamError:
             if reused and not conn.got_bytes:
                 continue  # the endpoint had closed this idle connection
-            e.mark_failure(time.monotonic())
+            router.pool.unreachable(e)
             return "connect_error"
         except TimeoutError:
             conn.abort()
-            e.mark_failure(time.monotonic())
+            router.pool.request_failed(e, "timeout")
             return "timeout"
         except asyncio.CancelledError:  # the client went away
             if conn.sink is ex:  # still ours: not finished and handed back to the pool
@@ -185,14 +239,22 @@ async def _send(
 async def _relay(
     router: Router, door: FrontDoor, e: Endpoint, ex: Exchange, conn: Upstream
 ) -> None:
-    """Wait while the rest of e's answer streams to the client."""
+    """Wait while the rest of e's answer streams to the client; one that stops mid-way (its
+    connection broke, or no byte came for the stream idle timeout: this counts towards e's
+    ejection) ends with an SSE error event."""
+    limit = router.config.stream_idle_timeout
+    watch = IdleWatch(ex, conn, limit) if limit > 0 and not ex.done.done() else None
     try:
         await ex.done
     except UpstreamError as exc:  # the client has bytes already: end its answer
-        router.metrics.count(e.name, "stream_error")
-        logger.warning("stream from %s broke: %s", e.name, exc)
+        idle = isinstance(exc, StreamIdle)
+        router.metrics.count(e.name, "stream_idle_timeout" if idle else "stream_error")
+        if idle:
+            router.pool.request_failed(e, "timeout")
+        logger.warning("stream from %s %s: %s", e.name, "stalled" if idle else "broke", exc)
+        event = _STALLED if idle else _BROKE
         if ex.chunks is not None and ex.chunks.at_boundary and not door.closed:
-            door.transport.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(_BROKE), _BROKE))
+            door.transport.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(event), event))
         else:
             door.must_close = True
         return
@@ -200,6 +262,10 @@ async def _relay(
         if conn.sink is ex:
             conn.abort()
         raise
+    finally:
+        if watch is not None:
+            watch.cancel()
+    e.errors = 0  # an answer in full: the outlier count starts again
     router.metrics.count(e.name, "ok" if ex.status < 400 else f"http_{ex.status}")
 
 

@@ -70,6 +70,56 @@ class RouterMetrics:
             registry=r,
         )
 
+        # resilience: what a chaos run reads to time ejection, re-admission and index warm-up
+        self.ejections = Counter(
+            "kvmesh_router_endpoint_ejections",
+            "Endpoints taken out of rotation, by reason: unreachable (a connect or scrape "
+            "failed), or outlier detection after requests failed in a row (5xx or timeout: "
+            "the last failure).",
+            ["endpoint", "reason"],
+            registry=r,
+        )
+        self.readmissions = Counter(
+            "kvmesh_router_endpoint_readmissions",
+            "Endpoints back in rotation, by reason: reachable (a scrape succeeded again) or "
+            "ejection_expired.",
+            ["endpoint", "reason"],
+            registry=r,
+        )
+        self.ejected = Gauge(
+            "kvmesh_router_endpoint_ejected",
+            "1 while outlier detection keeps the endpoint out of rotation.",
+            ["endpoint"],
+            registry=r,
+        )
+        self.kv_event_replays = Counter(
+            "kvmesh_router_kv_event_replays",
+            "KV event replays applied from an endpoint's replay socket, by reason: start (a new "
+            "subscription), reconnect, gap (a batch was missed), restart (the publisher's "
+            "sequence began again: the endpoint's entries were cleared first).",
+            ["endpoint", "reason"],
+            registry=r,
+        )
+        self.kv_event_replayed_batches = Counter(
+            "kvmesh_router_kv_event_replayed_batches",
+            "KV event batches applied from replays.",
+            ["endpoint"],
+            registry=r,
+        )
+        self.kv_index_warm = Gauge(
+            "kvmesh_router_kv_index_warm",
+            "1 once the precise index holds the endpoint's KV event history (its publisher's "
+            "replay buffer applied, live events following); 0 before, and after a loss.",
+            ["endpoint"],
+            registry=r,
+        )
+        self.kv_index_warm_seconds = Gauge(
+            "kvmesh_router_kv_index_warm_seconds",
+            "Seconds from subscribing to the endpoint's KV events (or from its loss) to warm.",
+            ["endpoint"],
+            registry=r,
+        )
+
     def count(self, endpoint: str, outcome: str) -> None:
         """requests{endpoint, outcome} += 1, through a cache of the labelled children."""
         child = self._children.get((endpoint, outcome))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import aiohttp
 
@@ -29,6 +28,9 @@ async def prefill_remotely(
     if "max_completion_tokens" in original:
         prefill["max_completion_tokens"] = 1
     headers = {"Content-Type": "application/json", "X-Request-Id": req.request_id}
+    auth = router.config.upstream_authorization(req.headers.get("authorization"))
+    if auth:  # as the decode leg's (handlers.upstream_auth)
+        headers["Authorization"] = auth
     if p.dp_rank is not None:
         headers["X-data-parallel-rank"] = str(p.dp_rank)
     for _ in range(router.config.prefill_max_retries + 1):
@@ -38,16 +40,27 @@ async def prefill_remotely(
                 p.url + path,
                 data=json.dumps(prefill).encode(),
                 headers=headers,
-                timeout=aiohttp.ClientTimeout(total=router.config.first_byte_timeout),
+                # a non-streaming answer: its head comes with the whole (one-token) completion
+                timeout=aiohttp.ClientTimeout(
+                    total=router.config.non_streaming_first_byte_timeout
+                ),
             ) as up:
                 answer = await up.json() if up.status == 200 else None
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+                if up.status >= 500:  # counts towards ejection, as a decode leg's 5xx does
+                    router.pool.request_failed(p, "5xx")
+        except TimeoutError:
             answer = None
-            p.mark_failure(time.monotonic())
+            router.pool.request_failed(p, "timeout")
+        except (aiohttp.ClientConnectionError, OSError):
+            answer = None
+            router.pool.unreachable(p)
+        except (aiohttp.ClientError, ValueError):
+            answer = None
         finally:
             p.in_flight -= 1
         params = (answer or {}).get("kv_transfer_params")
         if params:
+            p.errors = 0  # an answer in full: the outlier count starts again
             router.metrics.count(p.name, "prefill_ok")
             router.approximate_index.record(p.name, req.block_keys)
             return json.dumps(dict(original, kv_transfer_params=params)).encode()

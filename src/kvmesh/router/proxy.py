@@ -11,6 +11,7 @@ import logging
 import socket
 import ssl as _ssl
 from dataclasses import dataclass
+from time import monotonic
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
@@ -29,6 +30,10 @@ class UpstreamError(ConnectionError):
     def __init__(self, message: str, started: bool = False) -> None:
         super().__init__(message)
         self.started = started
+
+
+class StreamIdle(UpstreamError):
+    """The endpoint sent no byte for the stream idle timeout in the middle of its answer."""
 
 
 def nodelay(transport: asyncio.BaseTransport) -> None:
@@ -83,10 +88,12 @@ class _Chunks:
 
 class Exchange:
     """One request's trip to an endpoint. A 5xx answer is held back (the router tries another
-    endpoint); any other passes to the client as it comes, with ``extra`` header lines."""
+    endpoint); any other passes to the client as it comes, with ``extra`` header lines.
+    ``last``: when bytes of the answer last came (monotonic), read by the idle watch."""
 
     __slots__ = (
-        "door", "extra", "head", "done", "status", "started", "chunks", "pending", "first_body"
+        "door", "extra", "head", "done", "status", "started", "chunks", "pending", "first_body",
+        "last",
     )  # fmt: skip
 
     def __init__(self, door: FrontDoor, extra: bytes, first_body=None) -> None:
@@ -98,6 +105,7 @@ class Exchange:
         self.status, self.started = 0, False
         self.chunks: _Chunks | None = None
         self.pending = b""  # the answer's head, sent with the first body bytes when they came too
+        self.last = 0.0
 
     def on_head(self, status: int, lines: list[bytes], delimited: bool) -> bool:
         self.status = status
@@ -117,6 +125,7 @@ class Exchange:
         out.append(b"\r\n")
         door.sent_head = self.started = True
         self.pending = b"\r\n".join(out)
+        self.last = monotonic()
         self.head.set_result(status)
         return True
 
@@ -126,6 +135,7 @@ class Exchange:
         self.pending = b""
 
     def on_body(self, data: bytes) -> None:
+        self.last = monotonic()
         if self.first_body is not None:
             call, self.first_body = self.first_body, None
             call()
@@ -139,9 +149,9 @@ class Exchange:
         if not self.done.done():
             self.done.set_result(None)
 
-    def on_error(self, message: str) -> None:
+    def on_error(self, message: str, kind: type[UpstreamError] = UpstreamError) -> None:
         self.flush()
-        err = UpstreamError(message, self.started)
+        err = kind(message, self.started)
         fut = self.head if not self.head.done() else self.done
         if not fut.done():
             fut.set_exception(err)
@@ -149,6 +159,33 @@ class Exchange:
     def on_timeout(self) -> None:
         if not self.head.done():
             self.head.set_exception(TimeoutError("no answer before the first-byte timeout"))
+
+
+class IdleWatch:
+    """Cuts an answer that sent no byte for ``limit`` seconds mid-way (the exchange fails with
+    StreamIdle); time the reading was paused for a slow client does not count."""
+
+    __slots__ = ("ex", "conn", "limit", "timer")
+
+    def __init__(self, ex: Exchange, conn: Upstream, limit: float) -> None:
+        self.ex, self.conn, self.limit = ex, conn, limit
+        self.timer = asyncio.get_running_loop().call_later(limit, self.check)
+
+    def check(self) -> None:
+        ex, conn = self.ex, self.conn
+        if ex.done.done():
+            return
+        quiet = monotonic() - ex.last
+        if conn.transport is not None and not conn.transport.is_reading():
+            ex.last, quiet = monotonic(), 0.0  # paused for the client: not the endpoint's fault
+        if quiet < self.limit:
+            self.timer = asyncio.get_running_loop().call_later(self.limit - quiet, self.check)
+            return
+        conn.abort()
+        ex.on_error(f"no byte for {self.limit:g} s", StreamIdle)
+
+    def cancel(self) -> None:
+        self.timer.cancel()
 
 
 class Upstream(asyncio.Protocol):

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvmesh.protocol.chat_template import render_chat, text_of_parts
 from kvmesh.router.block_keys import BlockKeyCache, BlockKeyStats
 from kvmesh.router.fastbpe import FastBPE
 from kvmesh.router.tokenizer_probes import fast_backend, offsets_work, special_affixes
@@ -131,21 +132,46 @@ class PromptTokenizer:
         messages: list[dict],
         tools: list[dict] | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         **template_kwargs: Any,
     ) -> list[int]:
-        """The chat template rendered to text, then encoded without special tokens (as vLLM and
-        the kvmesh engine do). Keys whose value is None are dropped, as the engine does."""
+        """The chat rendered to text (``render_chat``), then encoded without special tokens (as
+        vLLM and the kvmesh engine do)."""
+        text = self.render_chat(
+            messages, tools, add_generation_prompt, continue_final_message, None, template_kwargs
+        )
+        return self._encode_raw(text)
+
+    def render_chat(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template: str | None = None,
+        template_kwargs: dict | None = None,
+    ) -> str:
+        """The chat's prompt text as the engine renders it (protocol.chat_template): keys whose
+        value is None dropped, text-only content parts joined. Touches no cache: any thread
+        may call it while another encodes."""
         msgs = [
-            {k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
+            {k: text_of_parts(v) if k == "content" else v for k, v in m.items() if v is not None}
+            if isinstance(m, dict)
+            else m
             for m in messages
         ]
-        text = self.tokenizer.apply_chat_template(
+        return render_chat(
+            self.tokenizer,
             msgs,
             tools=tools,
-            tokenize=False,
             add_generation_prompt=add_generation_prompt,
-            **template_kwargs,
+            continue_final_message=continue_final_message,
+            template=template,
+            template_kwargs=template_kwargs,
         )
+
+    def encode_text(self, text: str) -> list[int]:
+        """A rendered prompt's ids: ``tokenizer.encode(text, add_special_tokens=False)``."""
         return self._encode_raw(text)
 
     def block_keys(

@@ -1,0 +1,280 @@
+"""Input limits on the engine and the router in front of it: request-supplied chat templates
+(refused unless trusted; when trusted, sandboxed and rendered on a thread within a budget), JSON
+nesting depth, and multi-megabyte prompts (refused by their length when no tokenization could
+fit them, else tokenized off the event loop): 400s with OpenAI error bodies, /health answering
+all the while."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from kvmesh.commands.flags import add_dataclass_args, config_from_args
+from kvmesh.protocol import chat_template
+from kvmesh.protocol.openai import MAX_JSON_DEPTH, nested_too_deeply
+from kvmesh.router.app import Router, RouterConfig, start_router
+from tests.conftest import emulated_fleet
+from tests.helpers import http, loop_thread
+
+MAX_LEN = 4096
+CHAT = "/v1/chat/completions"
+HELLO = [{"role": "user", "content": "hi"}]
+LOOP = "{% for a in range(99999) %}"
+FOREVER = LOOP * 3 + "{% endfor %}" * 3  # 10^15 iterations: ends only when interrupted
+OWN = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+
+
+@contextlib.contextmanager
+def stack(tokenizer, trust: bool):
+    """(router url, engine url, router): one emulated engine and a router, each on its own
+    event-loop thread, both with --trust-request-chat-template set to `trust`."""
+    engine = {"max_model_len": MAX_LEN, "trust_request_chat_template": trust}
+    emu = {"emulate_ttft_ms": 1.0, "emulate_itl_ms": 0.1}
+    with emulated_fleet(tokenizer, engine=engine, **emu) as (urls, _):
+
+        async def start():
+            config = RouterConfig(
+                endpoints=urls,
+                kv_events=None,
+                scrape_interval=0.05,
+                trust_request_chat_template=trust,
+            )
+            router = Router(config, tokenizer)
+            return router, await start_router(router, "127.0.0.1", 0)
+
+        async def stop(state) -> None:
+            await state[1].cleanup()
+
+        with loop_thread(start, stop) as ((router, server), _):
+            url = f"http://127.0.0.1:{server.server.sockets[0].getsockname()[1]}"
+            wait_for(lambda: http(url + "/health")[0] == 200)
+            yield url, urls[0], router
+
+
+@pytest.fixture(scope="module")
+def untrusted(tokenizer):
+    with stack(tokenizer, trust=False) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def trusted(tokenizer):
+    with stack(tokenizer, trust=True) as s:
+        yield s
+
+
+def wait_for(cond, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def post(url: str, path: str, body: dict | bytes) -> tuple[int, dict]:
+    code, _, raw = http(url + path, body)
+    out = json.loads(raw)
+    if code >= 400:  # an OpenAI error body, never a traceback
+        err = out["error"]
+        assert err["code"] == code and err["type"] and "Traceback" not in err["message"]
+    return code, out
+
+
+def health(url: str) -> int:
+    """GET /health with a short timeout: a stalled event loop fails the test, not hangs it."""
+    with urllib.request.urlopen(url + "/health", timeout=10) as resp:
+        return resp.status
+
+
+def renders() -> int:
+    return sum(t.name == "kvmesh-chat-template" for t in threading.enumerate())
+
+
+def nest(levels: int) -> list:
+    value: list = []
+    for _ in range(levels - 1):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("field", ["chat_template", "chat_template_kwargs"])
+def test_a_request_template_needs_the_opt_in(untrusted, field):
+    value = OWN if field == "chat_template" else {"chat_template": OWN}
+    for url in untrusted[:2]:
+        code, out = post(url, CHAT, {"messages": HELLO, field: value, "max_tokens": 1})
+        assert code == 400 and "--trust-request-chat-template" in out["error"]["message"]
+        assert post(url, CHAT, {"messages": HELLO, "max_tokens": 1})[0] == 200
+
+
+def test_a_trusted_request_template_renders(trusted, tokenizer):
+    expect = tokenizer.encode("[user]hi", add_special_tokens=False)
+    for url in trusted[:2]:
+        body = {"messages": HELLO, "chat_template": OWN, "max_tokens": 1, "return_token_ids": True}
+        code, out = post(url, CHAT, body)
+        assert code == 200 and out["prompt_token_ids"] == expect
+    body = json.dumps({"messages": HELLO, "chat_template_kwargs": {"chat_template": OWN}})
+    assert trusted[2].scheduling_request(body.encode(), CHAT, {}).token_ids == expect
+
+
+def test_a_hostile_template_is_cut_off_while_health_answers(trusted, monkeypatch):
+    monkeypatch.setattr(chat_template, "REQUEST_TEMPLATE_SECONDS", 1.0)
+    body = {"messages": HELLO, "chat_template": FOREVER, "max_tokens": 1}
+    for url in trusted[:2]:  # the router renders it (to route), then the engine
+        with ThreadPoolExecutor(1) as pool:
+            hostile = pool.submit(post, url, CHAT, body)
+            wait_for(lambda: renders() > 0)
+            assert [health(u) for u in trusted[:2]] == [200, 200]
+            assert not hostile.done()  # answered while the template was rendering
+            code, out = hostile.result()
+        assert code == 400 and "did not render within 1 s" in out["error"]["message"]
+        wait_for(lambda: renders() == 0)  # its thread was interrupted, not left spinning
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+        "{{ cycler.__init__.__globals__ }}",
+        "{{ messages.append(1) }}",
+    ],
+)
+def test_templates_render_in_a_sandbox(trusted, tokenizer, template):
+    assert chat_template.sandboxed(tokenizer)  # the model's own template renders there too
+    for url in trusted[:2]:
+        code, out = post(url, CHAT, {"messages": HELLO, "chat_template": template})
+        assert code == 400 and "unsafe" in out["error"]["message"]
+
+
+DEEP = b"[" * 5000 + b"]" * 5000
+NESTED = [
+    ("/v1/completions", b'{"prompt": ' + DEEP + b"}"),
+    ("/v1/completions", b'{"prompt": "hi", "kv_transfer_params": {"a": ' + DEEP + b"}}"),
+    (
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "hi", "tool_calls": [{"a": ' + DEEP + b"}]}]}",
+    ),
+    (CHAT, json.dumps({"messages": HELLO, "chat_template_kwargs": {"x": nest(70)}}).encode()),
+]
+
+
+@pytest.mark.parametrize("path,body", NESTED, ids=range(len(NESTED)))
+def test_json_nested_too_deeply_gets_400(untrusted, path, body):
+    for url in untrusted[:2]:
+        code, out = post(url, path, body)
+        assert code == 400 and "nested too deeply" in out["error"]["message"]
+        assert health(url) == 200
+
+
+def test_the_depth_limit_is_documented_and_exact(untrusted):
+    assert MAX_JSON_DEPTH == 64
+    assert not nested_too_deeply(nest(64)) and nested_too_deeply(nest(65))
+    assert not nested_too_deeply([1] * 10_000) and nested_too_deeply({"a": nest(64)})
+    kwargs = {"x": nest(MAX_JSON_DEPTH - 2)}  # the body and chat_template_kwargs: 2 more
+    for url in untrusted[:2]:
+        body = {"messages": HELLO, "max_tokens": 1, "chat_template_kwargs": kwargs}
+        assert post(url, CHAT, body)[0] == 200
+
+
+def test_a_multi_megabyte_prompt_is_refused_without_tokenizing(untrusted, monkeypatch):
+    from kvmesh.engine import serving
+
+    calls: list[int] = []
+    real = serving.encode_off_loop
+    monkeypatch.setattr(serving, "encode_off_loop", lambda *a: calls.append(1) or real(*a))
+    body = {"prompt": "lorem ipsum dolor sit amet " * 150_000, "max_tokens": 1}  # 4 MB
+    for url in untrusted[:2]:
+        code, out = post(url, "/v1/completions", body)
+        message = out["error"]["message"]
+        assert code == 400 and "maximum context length is 4096" in message
+        assert "at least" in message
+    assert not calls  # its length alone showed it cannot fit
+    code, out = post(untrusted[1], "/v1/completions", {"prompt": [1] * 5000})  # token ids too
+    assert code == 400 and "maximum context length" in out["error"]["message"]
+
+
+def test_long_prompts_are_tokenized_off_the_event_loop(untrusted, monkeypatch):
+    """Held inside tokenization (a gate), the engine and the router still answer /health: the
+    prompt is tokenized on a worker thread. It is then refused as longer than the context."""
+    from kvmesh.engine import serving
+
+    router = untrusted[2]
+    entered, release = threading.Event(), threading.Event()
+
+    def gate(real):
+        def gated(*args):
+            entered.set()
+            assert release.wait(30)
+            return real(*args)
+
+        return gated
+
+    monkeypatch.setattr(serving, "encode_off_loop", gate(serving.encode_off_loop))
+    monkeypatch.setattr(router.tokens, "encode_completion", gate(router.tokens.encode_completion))
+    body = {"prompt": "lorem ipsum " * 200_000, "max_tokens": 1}  # 2.4 MB, the router's path
+    short = {"prompt": "lorem ipsum " * 20_000, "max_tokens": 1}  # within the engine's bound
+    for url, prompt in ((untrusted[0], body), (untrusted[1], short)):
+        entered.clear()
+        release.clear()
+        with ThreadPoolExecutor(1) as pool:
+            big = pool.submit(post, url, "/v1/completions", prompt)
+            assert entered.wait(30)
+            assert [health(u) for u in untrusted[:2]] == [200, 200]
+            assert not big.done()  # answered while the prompt was being tokenized
+            release.set()
+            code, out = big.result()
+        assert code == 400 and "maximum context length" in out["error"]["message"]
+
+
+def test_content_parts_and_plain_chat_still_work(untrusted, tokenizer):
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hello\nworld"}], tokenize=False, add_generation_prompt=True
+    )
+    expect = tokenizer.encode(text, add_special_tokens=False)
+    for content in (parts, "Hello\nworld"):
+        messages = [{"role": "user", "content": content}]
+        routed = untrusted[2].scheduling_request(
+            json.dumps({"messages": messages}).encode(), CHAT, {}
+        )
+        assert routed.token_ids == expect  # the router keys what the engine computes
+        for url in untrusted[:2]:
+            body = {"messages": messages, "max_tokens": 2, "return_token_ids": True}
+            code, out = post(url, CHAT, body)
+            assert code == 200 and out["prompt_token_ids"] == expect
+            assert out["choices"][0]["message"]["role"] == "assistant"
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    bad_kwargs = {"messages": HELLO, "chat_template_kwargs": {"tokenize": True}}
+    for url in untrusted[:2]:
+        assert post(url, CHAT, {"messages": image})[0] == 400
+        code, out = post(url, CHAT, bad_kwargs)
+        assert code == 400 and "may not set tokenize" in out["error"]["message"]
+
+
+def test_min_tokens_bounds_and_off_loop_encoding_matches(tokenizer):
+    from kvmesh.engine.tokenizer import encode, encode_off_loop, min_tokens
+
+    texts = ["x" * 3000, " " * 5000, "-" * 4000, "déjà vu 😀 " * 200, "\x04" * 900 + "a", ""]
+    for text in texts:
+        ids = encode(tokenizer, text, False)
+        assert min_tokens(tokenizer, text) <= len(ids)
+        assert encode_off_loop(tokenizer, text, False) == ids
+        assert encode_off_loop(tokenizer, text, True) == encode(tokenizer, text, True)
+
+
+def test_the_opt_in_flag_on_both_commands():
+    from kvmesh.commands.router import ROUTER_HELP
+    from kvmesh.commands.serve import ENGINE_HELP
+    from kvmesh.engine.config import EngineConfig
+
+    for cls, helps in ((EngineConfig, ENGINE_HELP), (RouterConfig, ROUTER_HELP)):
+        parser = argparse.ArgumentParser()
+        add_dataclass_args(parser, cls, helps)
+        assert not config_from_args(cls, parser.parse_args([])).trust_request_chat_template
+        args = parser.parse_args(["--trust-request-chat-template"])
+        assert config_from_args(cls, args).trust_request_chat_template
