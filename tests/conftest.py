@@ -9,8 +9,6 @@ import threading
 
 import pytest
 
-from tests.helpers import free_port
-
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
@@ -45,20 +43,20 @@ def engine_server(loaded, **config_kw):
         str(loaded.path),
         tuple(loaded.config.eos_token_ids),
     )
-    port = free_port()
     loop = asyncio.new_event_loop()
     started = threading.Event()
     state: dict = {}
 
     def run() -> None:
         asyncio.set_event_loop(loop)
-        state["runner"] = loop.run_until_complete(start_server(bundle, "127.0.0.1", port))
+        state["runner"] = loop.run_until_complete(start_server(bundle, "127.0.0.1", 0))
         started.set()
         loop.run_forever()
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     assert started.wait(60), "server did not start"
+    port = state["runner"].addresses[0][1]  # bound on port 0: no pick-then-bind race
     try:
         yield f"http://127.0.0.1:{port}", bundle
     finally:

@@ -23,6 +23,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def bound_port(server) -> int:
+    """The port a router server (started on port 0) listens on: no pick-then-bind race."""
+    return server.server.sockets[0].getsockname()[1]
+
+
 def http(url: str, body: bytes | dict | None = None, headers: dict | None = None):
     """(status, headers, body bytes); POST when a body is given. Errors are answers too."""
     data = json.dumps(body).encode() if isinstance(body, dict) else body

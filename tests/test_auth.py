@@ -20,7 +20,7 @@ from kvmesh.protocol.kv_transfer import PREFILL_REQUEST_PARAMS
 from kvmesh.protocol.openai import APIError
 from kvmesh.router.app import Router, RouterConfig, start_router
 from tests.conftest import emulated_fleet
-from tests.helpers import free_port, http, loop_thread
+from tests.helpers import bound_port, free_port, http, loop_thread
 
 KEY, ADMIN, TRANSFER = "engine-key", "admin-key", "transfer-key"
 COMPLETION = {"prompt": "Hello there.", "max_tokens": 2}
@@ -59,20 +59,19 @@ def test_engine_openai_routes_need_the_api_key_and_probes_stay_open(tokenizer):
 def routed(tokenizer, engine: dict, **router_kw):
     """Two emulated engines behind a router (round-robin), on one event-loop thread."""
     fleet = EmulatedFleet(EngineConfig(**engine), EmulationConfig(), tokenizer, 2)
-    port = free_port()
 
     async def start() -> tuple:
         urls = await fleet.start("127.0.0.1", 0)
         config = RouterConfig(endpoints=urls, preset="round-robin", kv_events=None, **router_kw)
         router = Router(config, tokenizer)
-        return router, await start_router(router, "127.0.0.1", port)
+        return router, await start_router(router, "127.0.0.1", 0)
 
     async def stop(state: tuple) -> None:
         await state[1].cleanup()
         await fleet.stop()
 
-    with loop_thread(start, stop):
-        yield f"http://127.0.0.1:{port}"
+    with loop_thread(start, stop) as ((_, server), _loop):
+        yield f"http://127.0.0.1:{bound_port(server)}"
 
 
 def test_router_checks_clients_and_sends_its_endpoint_key(tokenizer):

@@ -197,9 +197,10 @@ def test_many_engines_in_one_process(tokenizer):
 
 
 def test_admin_timing_reports_predicted_ttft_and_itl(tokenizer):
-    with emulated_fleet(
-        tokenizer, engine=ADMIN, emulate_ttft_ms=30.0, emulate_itl_ms=10.0
-    ) as (urls, _):
+    with emulated_fleet(tokenizer, engine=ADMIN, emulate_ttft_ms=30.0, emulate_itl_ms=10.0) as (
+        urls,
+        _,
+    ):
         http(urls[0] + "/v1/completions", {"prompt": "x", "max_tokens": 5, "ignore_eos": True})
         t = json.loads(http(urls[0] + "/admin/timing", headers=AUTH)[2])
         assert t["ttft_count"] == 1 and t["itl_count"] == 4

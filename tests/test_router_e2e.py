@@ -16,7 +16,7 @@ from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.emulation.builder import EmulationConfig
 from kvmesh.engine.emulation.host import EmulatedFleet
 from kvmesh.router.app import Router, RouterConfig, start_router
-from tests.helpers import free_port, http, loop_thread
+from tests.helpers import bound_port, http, loop_thread
 
 
 @contextlib.contextmanager
@@ -39,7 +39,6 @@ def stack(
             }
         )
     fleet = EmulatedFleet(EngineConfig(**engine_kw), EmulationConfig(**emu), tokenizer, n)
-    port = free_port()
 
     async def start() -> tuple:
         urls = await fleet.start("127.0.0.1", 0)
@@ -50,14 +49,14 @@ def stack(
             scrape_interval=0.05,
         )
         router = Router(config, tokenizer)
-        return router, await start_router(router, "127.0.0.1", port)
+        return router, await start_router(router, "127.0.0.1", 0)
 
     async def stop(state: tuple) -> None:
         await state[1].cleanup()
         await fleet.stop()
 
-    with loop_thread(start, stop) as ((router, _), loop):
-        yield f"http://127.0.0.1:{port}", router, fleet, loop
+    with loop_thread(start, stop) as ((router, server), loop):
+        yield f"http://127.0.0.1:{bound_port(server)}", router, fleet, loop
 
 
 def chat(url: str, messages: list[dict], **extra) -> tuple[int, dict, dict]:

@@ -14,7 +14,7 @@ from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.emulation.builder import EmulationConfig
 from kvmesh.engine.emulation.host import EmulatedFleet
 from kvmesh.router.app import Router, RouterConfig, start_router
-from tests.helpers import free_port, http, loop_thread
+from tests.helpers import bound_port, http, loop_thread
 
 PD_CONFIG = """
 plugins:
@@ -43,7 +43,6 @@ def pd_stack(tokenizer, prefill_faults: dict | None = None):
     )
     emu = EmulationConfig(emulate_ttft_ms=30.0, emulate_itl_ms=5.0)
     fleet = EmulatedFleet(engine, emu, tokenizer, 3)
-    port = free_port()
 
     async def start() -> tuple:
         urls = await fleet.start("127.0.0.1", 0)
@@ -63,17 +62,17 @@ def pd_stack(tokenizer, prefill_faults: dict | None = None):
             kv_events=None,
         )
         router = Router(config, tokenizer)
-        return router, await start_router(router, "127.0.0.1", port), urls
+        return router, await start_router(router, "127.0.0.1", 0), urls
 
     async def stop(state: tuple) -> None:
         await state[1].cleanup()
         await fleet.stop()
 
-    with loop_thread(start, stop) as ((router, _, urls), _loop):
+    with loop_thread(start, stop) as ((router, server, urls), _loop):
         if prefill_faults:
             auth = {"Authorization": "Bearer admin-secret"}
             assert http(urls[0] + "/admin/faults", prefill_faults, auth)[0] == 200
-        yield f"http://127.0.0.1:{port}", router, fleet, urls
+        yield f"http://127.0.0.1:{bound_port(server)}", router, fleet, urls
 
 
 def served(fleet, i: int) -> int:

@@ -14,7 +14,7 @@ import pytest
 
 from kvmesh.router.app import Router, RouterConfig, start_router
 from tests.conftest import engine_server
-from tests.helpers import free_port, http, loop_thread
+from tests.helpers import bound_port, http, loop_thread
 
 # every request goes to the engine labelled "b", whatever the other holds
 ONLY_B = """
@@ -40,17 +40,16 @@ def events_config(folder: Path, name: str) -> str:
 
 @contextlib.contextmanager
 def running_router(config: RouterConfig, tokenizer):
-    port = free_port()
 
     async def start() -> tuple:
         router = Router(config, tokenizer)
-        return router, await start_router(router, "127.0.0.1", port)
+        return router, await start_router(router, "127.0.0.1", 0)
 
     async def stop(state: tuple) -> None:
         await state[1].cleanup()
 
-    with loop_thread(start, stop) as ((router, _), _loop):
-        yield f"http://127.0.0.1:{port}", router
+    with loop_thread(start, stop) as ((router, server), _loop):
+        yield f"http://127.0.0.1:{bound_port(server)}", router
 
 
 @pytest.fixture(scope="module")
