@@ -13,7 +13,7 @@ from kvmesh.protocol.kv_events import BlockStored
 from kvmesh.protocol.zmq_events import KVEventsConfig, ZmqEventPublisher
 from kvmesh.router.app import Router, RouterConfig, start_router
 from kvmesh.router.endpoints import Endpoint, data_parallel_ranks, load_endpoints_file
-from kvmesh.router.events import _rank_source
+from kvmesh.router.event_sources import _rank_source
 from tests.test_router_proxy import Engine, exchange, post
 
 PAGE = (
@@ -61,20 +61,18 @@ def test_discovered_event_source_of_a_rank() -> None:
 
 
 async def test_given_event_endpoints_are_reached_at_the_engine_host() -> None:
-    from kvmesh.router.events import EventIngest
-    from kvmesh.router.index import PreciseIndex
+    from kvmesh.router.event_sources import discover
 
-    ingest = EventIngest(PreciseIndex(), None)
     (rank1,) = [
         e
         for e in data_parallel_ranks(Endpoint("http://10.0.0.5:8000", kv_events="tcp://*:5557"), 2)
         if e.dp_rank == 1
     ]
-    assert (await ingest._discover(rank1))[0] == "tcp://10.0.0.5:5558"
+    assert (await discover(None, rank1))[0] == "tcp://10.0.0.5:5558"
     named = Endpoint("http://10.0.0.5:8000", kv_events="tcp://10.0.0.9:5557")
-    assert (await ingest._discover(named))[0] == "bind:tcp://10.0.0.9:5557"
+    assert (await discover(None, named))[0] == "bind:tcp://10.0.0.9:5557"
     given = Endpoint("http://10.0.0.5:8000", kv_events="bind:tcp://*:6000")
-    assert (await ingest._discover(given))[0] == "bind:tcp://*:6000"
+    assert (await discover(None, given))[0] == "bind:tcp://*:6000"
 
 
 async def _until(cond, timeout: float = 10.0) -> None:

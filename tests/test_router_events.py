@@ -8,7 +8,7 @@ import json
 import threading
 import time
 
-from kvmesh.router.events import subscribe_address
+from kvmesh.router.event_sources import subscribe_address
 from tests.helpers import free_port, http
 
 

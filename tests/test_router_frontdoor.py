@@ -13,7 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvmesh.router.frontdoor import FrontDoor, Request, serve
+from kvmesh.router.frontdoor import FrontDoor, Request
+from kvmesh.router.listener import serve
 from tests.helpers import loop_thread
 
 MAX_BODY = 1000

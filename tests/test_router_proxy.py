@@ -13,7 +13,7 @@ import time
 import pytest
 
 from kvmesh.router.app import Router, RouterConfig, start_router
-from kvmesh.router.proxy import _Chunks
+from kvmesh.router.chunked import ChunkTracker
 
 CHUNKED = (
     b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
@@ -135,13 +135,13 @@ def post(path: str, body: dict, extra: str = "", close: bool = True) -> bytes:
 def test_chunk_tracker_finds_the_end_across_any_split() -> None:
     body = CHUNKED.split(b"\r\n\r\n", 1)[1]
     for step in (1, 2, 5, len(body)):
-        chunks, ends = _Chunks(), []
+        chunks, ends = ChunkTracker(), []
         for i in range(0, len(body), step):
             end = chunks.feed(body[i : i + step])
             if end >= 0:
                 ends.append(i + end)
         assert ends == [len(body)], step
-    half = _Chunks()
+    half = ChunkTracker()
     half.feed(b"7\r\ndata")
     assert not half.at_boundary
     half.feed(b": 1\r\n")
@@ -293,7 +293,7 @@ async def test_large_prompt_is_tokenized_off_the_event_loop(tokenizer) -> None:
 
 
 async def test_idle_client_connections_are_closed(tokenizer) -> None:
-    from kvmesh.router.frontdoor import serve
+    from kvmesh.router.listener import serve
 
     engine = await Engine("ok").start()
     router = Router(RouterConfig([engine.url], preset="round-robin", kv_events=None), tokenizer)

@@ -16,12 +16,12 @@ import zmq
 from kvmesh.protocol.kv_events import BlockStored, KVEventBatch, encode_batch
 from kvmesh.protocol.zmq_events import END_SEQ, KVEventsConfig, ZmqEventPublisher
 from kvmesh.router.app import Router, RouterConfig, start_router
-from kvmesh.router.endpoints import MAX_BACKOFF, Endpoint, EndpointPool, OutlierDetection
+from kvmesh.router.endpoints import MAX_BACKOFF, Endpoint, EndpointPool
 from kvmesh.router.events import EventIngest
 from kvmesh.router.index import PreciseIndex
 from kvmesh.router.metrics import RouterMetrics
+from kvmesh.router.outlier import OutlierDetection
 from tests.conftest import emulated_fleet
-from tests.helpers import free_port
 from tests.test_router_proxy import Engine, exchange, post, routed
 
 
@@ -215,12 +215,14 @@ def stored(h: int) -> BlockStored:
     return BlockStored([h], None, [1, 2], 2, None, "GPU", None)
 
 
-def tcp_publisher(port: int, replay: int) -> ZmqEventPublisher:
-    config = KVEventsConfig(
-        enable_kv_cache_events=True,
-        endpoint=f"tcp://*:{port}",
-        replay_endpoint=f"tcp://*:{replay}",
-    )
+def ipc_addresses(folder) -> tuple[str, str]:
+    """Publisher and replay sockets in a test's own folder: no port to race for."""
+    return f"ipc://{folder}/kv", f"ipc://{folder}/replay"
+
+
+def ipc_publisher(folder) -> ZmqEventPublisher:
+    events, replay = ipc_addresses(folder)
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint=events, replay_endpoint=replay)
     return ZmqEventPublisher(config)
 
 
@@ -230,11 +232,12 @@ def held(index: PreciseIndex, hashes: list[int]) -> list[int]:
 
 
 @contextlib.asynccontextmanager
-async def ingest_of(port: int, replay: int, check_interval: float = 2.0):
+async def ingest_of(events: str, replay: str, check_interval: float = 2.0):
+    """An EventIngest following endpoint "e" whose publisher is at these addresses."""
     index, metrics = PreciseIndex(), RouterMetrics()
     ingest = EventIngest(index, None, metrics, check_interval=check_interval)
-    e = Endpoint("http://127.0.0.1:1", "e", kv_events=f"tcp://*:{port}")
-    e.kv_events_replay = f"tcp://*:{replay}"
+    e = Endpoint("http://127.0.0.1:1", "e", kv_events=events)
+    e.kv_events_replay = replay
     ingest.watch(e)
     try:
         yield ingest, index, metrics
@@ -242,14 +245,13 @@ async def ingest_of(port: int, replay: int, check_interval: float = 2.0):
         await ingest.stop()
 
 
-async def test_fresh_ingest_replays_the_history_from_zero() -> None:
-    port, replay = free_port(), free_port()
-    pub = tcp_publisher(port, replay)
+async def test_fresh_ingest_replays_the_history_from_zero(tmp_path) -> None:
+    pub = ipc_publisher(tmp_path)
     try:
         for h in range(40):
             pub.publish([stored(h)])
         time.sleep(0.2)  # all sent (to nobody) and buffered
-        async with ingest_of(port, replay) as (ingest, index, metrics):
+        async with ingest_of(*ipc_addresses(tmp_path)) as (ingest, index, metrics):
             await until(lambda: len(held(index, list(range(40)))) == 40)
             assert counter(metrics.kv_event_replays, "e", "start") == 1
             assert metrics.kv_index_warm.labels("e")._value.get() == 1
@@ -260,17 +262,16 @@ async def test_fresh_ingest_replays_the_history_from_zero() -> None:
         pub.close()
 
 
-async def test_restarted_publisher_has_its_stale_entries_cleared() -> None:
-    port, replay = free_port(), free_port()
-    pub = tcp_publisher(port, replay)
-    async with ingest_of(port, replay, check_interval=0.2) as (ingest, index, metrics):
+async def test_restarted_publisher_has_its_stale_entries_cleared(tmp_path) -> None:
+    pub = ipc_publisher(tmp_path)
+    async with ingest_of(*ipc_addresses(tmp_path), check_interval=0.2) as (ingest, index, metrics):
         try:
             for h in (1, 2, 3):
                 pub.publish([stored(h)])
             await until(lambda: held(index, [1, 2, 3]) == [1, 2, 3])
         finally:
             pub.close()
-        pub = tcp_publisher(port, replay)  # the engine restarted: seq from 0 again
+        pub = ipc_publisher(tmp_path)  # the engine restarted: seq from 0 again
         try:
             pub.publish([stored(100)])
             await until(lambda: held(index, [1, 2, 3, 100]) == [100])
@@ -368,7 +369,9 @@ class LossyPublisher:
 async def test_lost_batches_are_replayed_mid_stream_and_before_a_quiet_spell() -> None:
     pub = LossyPublisher()
     try:
-        async with ingest_of(pub.port, pub.replay, check_interval=0.3) as (ingest, index, m):
+        async with ingest_of(
+            f"tcp://*:{pub.port}", f"tcp://*:{pub.replay}", check_interval=0.3
+        ) as (ingest, index, m):
             await until(lambda: ingest.feeds["e"].warm)
             pub.publish(0)
             await until(lambda: held(index, [0]) == [0])  # the subscription is live

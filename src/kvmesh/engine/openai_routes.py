@@ -6,6 +6,7 @@ import asyncio
 
 from aiohttp import web
 
+from kvmesh.engine.pd import apply_transfer_params, pull_remote
 from kvmesh.engine.serving import Choice, OpenAIServing, now_s
 from kvmesh.protocol.openai import (
     SSE_DONE,
@@ -266,9 +267,9 @@ def _check_token_lists(serving: OpenAIServing, prompt, max_tokens: int | None) -
 
 async def _transfer(serving: OpenAIServing, request, params: dict | None) -> None:
     """P/D: a prefill request holds its blocks; a decode request first pulls the prefill's."""
-    pull = serving.apply_transfer_params(request, params)
+    pull = apply_transfer_params(request, params)
     if pull is not None:
-        await serving.pull_remote(request, pull)
+        await pull_remote(serving.engine, serving.transfer_key, request, pull)
 
 
 def _raise_errors(choices: list[Choice]) -> None:

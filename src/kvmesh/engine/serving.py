@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 from kvmesh.engine.async_engine import AsyncEngine, EngineOverloaded
 from kvmesh.engine.core import RequestOutput
-from kvmesh.engine.kv_transfer import held_blocks_headers
 from kvmesh.engine.sequence import Request, SamplingParams
 from kvmesh.engine.tokenizer import encode, encode_off_loop, min_tokens
 from kvmesh.protocol.chat_template import render_chat, request_template, text_of_parts
@@ -20,7 +19,6 @@ from kvmesh.protocol.openai import (
     APIError,
     ChatCompletionRequest,
     context_length_error,
-    sse_event,
 )
 
 _counter = itertools.count()
@@ -185,43 +183,6 @@ class OpenAIServing:
             cache_salt=req.cache_salt,
         )
 
-    # ---- P/D ----------------------------------------------------------------------------
-    def apply_transfer_params(self, request: Request, params: dict | None) -> dict | None:
-        """Mark a prefill (do_remote_decode); return the pull a decode must make first."""
-        if not params:
-            return None
-        if params.get("do_remote_decode"):
-            request.hold_for_remote = True
-        if params.get("do_remote_prefill") and params.get("remote_host"):
-            return params
-        return None
-
-    async def pull_remote(self, request: Request, params: dict, timeout: float = 30.0) -> int:
-        """Read a prefill engine's blocks and import them; tokens saved (0: recompute)."""
-        import aiohttp
-
-        rid = f"{params.get('remote_request_id') or ''}"
-        url = f"http://{params['remote_host']}:{params['remote_port']}/kv_transfer/{rid}"
-        # a token for this read only: the host is the request's choice, the key must stay here
-        headers = held_blocks_headers(self.transfer_key, rid)
-        try:
-            async with (
-                aiohttp.ClientSession(headers=headers) as session,
-                session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp,
-            ):
-                if resp.status != 200:
-                    logger.warning("KV pull %s: HTTP %d; recomputing", url, resp.status)
-                    return 0
-                payload = await resp.read()
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            logger.warning("KV pull %s failed (%s); recomputing", url, exc)
-            return 0
-        saved = await self.engine.call(lambda core: core.import_payload(request, payload))
-        delay = self.engine.core.last_import_seconds
-        if saved and delay > 0:  # an emulated link: the blocks take this long to arrive
-            await asyncio.sleep(delay * self.engine.time_scale)
-        return saved
-
     # ---- running ----------------------------------------------------------------------
     async def run(self, requests: list[Request]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Yield (choice index, output) from all requests of one API call as they arrive."""
@@ -309,7 +270,3 @@ def _chat_chars(req: ChatCompletionRequest) -> int:
 
 def now_s() -> int:
     return int(time.time())
-
-
-def sse(obj) -> bytes:
-    return sse_event(obj)

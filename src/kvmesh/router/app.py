@@ -13,16 +13,18 @@ import aiohttp
 
 from kvmesh.protocol.auth import bearer, validate_key
 from kvmesh.router import handlers
-from kvmesh.router.endpoints import Endpoint, EndpointPool, OutlierDetection
+from kvmesh.router.endpoints import Endpoint, EndpointPool
 from kvmesh.router.events import EventIngest
-from kvmesh.router.frontdoor import FrontDoor, Request, RouterServer, serve
+from kvmesh.router.frontdoor import FrontDoor, Request
 from kvmesh.router.index import ApproximateIndex, PreciseIndex
+from kvmesh.router.listener import RouterServer, serve
 from kvmesh.router.metrics import RouterMetrics
+from kvmesh.router.outlier import OutlierDetection
 from kvmesh.router.peer_source import PeerSourceConfig
 from kvmesh.router.pipeline import Pipeline, SchedulingResult
 from kvmesh.router.plugins import SchedulingRequest, needs_tokens, reads_precise_index
-from kvmesh.router.proxy import Link
 from kvmesh.router.request_parser import RequestParser
+from kvmesh.router.upstream_pool import Link
 
 decisions = logging.getLogger("kvmesh.router.decisions")
 
@@ -47,7 +49,7 @@ class RouterConfig:
     first_byte_timeout: float = 60.0
     non_streaming_first_byte_timeout: float = 300.0
     stream_idle_timeout: float = 30.0  # mid-answer silence that cuts it; 0: never
-    # outlier detection (Envoy's consecutive_5xx): see endpoints.OutlierDetection
+    # outlier detection (Envoy's consecutive_5xx): see outlier.OutlierDetection
     outlier_consecutive_errors: int = 5
     outlier_base_ejection_time: float = 30.0
     outlier_max_ejection_time: float = 300.0

@@ -1,6 +1,6 @@
 """Endpoints and what the router knows of each: health, load scraped from /metrics, requests in
-flight through this router, and where its KV events are published; and outlier detection, which
-takes an endpoint that keeps failing requests out of rotation for a while, as Envoy's does."""
+flight through this router, and where its KV events are published. The pool keeps them fresh and
+applies outlier detection (router.outlier) to the requests that fail."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import yaml
 
 from kvmesh.protocol.prom import parse_engine_load
 from kvmesh.protocol.zmq_events import offset_endpoint
+from kvmesh.router.outlier import OutlierDetection, ejection_ended, forget_ejections
 
 logger = logging.getLogger(__name__)
 LOST_AFTER = 3
@@ -137,28 +138,6 @@ def rank_page(text: str, rank: int | None) -> str:
     return "\n".join(lines) if lines else text
 
 
-@dataclass(slots=True)
-class OutlierDetection:
-    """Envoy's consecutive-5xx outlier detection: an endpoint whose requests fail this many
-    times in a row (a 5xx answer, a timeout before the first byte or mid-stream; a broken
-    connection is the reachability check's business) leaves rotation for the base time
-    multiplied by its ejections so far, at most max_ejection_time; at most max_ejection_percent
-    of the fleet (but always one endpoint) is out at once, and never the last in rotation."""
-
-    consecutive_errors: int = 5  # 0: never eject
-    base_ejection_time: float = 30.0
-    max_ejection_time: float = 300.0
-    max_ejection_percent: float = 50.0
-
-    def __post_init__(self) -> None:
-        if self.consecutive_errors < 0:
-            raise ValueError("--outlier-consecutive-errors must be 0 (off) or positive")
-        if not 0 < self.base_ejection_time <= self.max_ejection_time:
-            raise ValueError("outlier ejection times: 0 < base <= max")
-        if not 0 <= self.max_ejection_percent <= 100:
-            raise ValueError("--outlier-max-ejection-percent must be in [0, 100]")
-
-
 class EndpointPool:
     """The live set of endpoints, kept fresh by background tasks on the router's event loop.
     Invariant: candidates() are the healthy (reachable) endpoints not ejected at that moment;
@@ -203,30 +182,14 @@ class EndpointPool:
             self.on_lost(e.name)
 
     def request_failed(self, e: Endpoint, reason: str) -> None:
-        """A request failed at e (reason: 5xx or timeout); eject e when that made
-        consecutive_errors in a row and the fleet can spare it."""
-        od = self.outlier
-        e.errors += 1
-        now = time.monotonic()
-        if not od.consecutive_errors or e.errors < od.consecutive_errors or e.ejected_until > now:
-            return
-        others = [x for x in self.endpoints.values() if x is not e]
-        out = sum(1 for x in others if x.ejected_until > now)
-        if out + 1 > max(1, int(len(self.endpoints) * od.max_ejection_percent / 100)):
-            return  # the count stands: e goes once another comes back
-        if not any(x.healthy and x.ejected_until <= now for x in others):
-            return  # the last in rotation: without it requests would try all anyway
-        if e.ejected_until:  # one ejection forgiven per base time spent in service since
-            served = (now - e.ejected_until) / od.base_ejection_time
-            e.times_ejected = max(0, e.times_ejected - int(served))
-        e.times_ejected += 1
-        span = min(od.max_ejection_time, od.base_ejection_time * e.times_ejected)
-        e.ejected_until, e.ejected, e.errors = now + span, True, 0
-        logger.warning(
-            "endpoint %s ejected for %.3g s: %d requests failed in a row (last: %s)",
-            e.name, span, od.consecutive_errors, reason,
-        )  # fmt: skip
-        self._count("ejections", e.name, reason)
+        """A request failed at e (reason: 5xx or timeout): outlier detection may eject it."""
+        span = self.outlier.request_failed(e, self.endpoints.values(), time.monotonic())
+        if span:
+            logger.warning(
+                "endpoint %s ejected for %.3g s: %d requests failed in a row (last: %s)",
+                e.name, span, self.outlier.consecutive_errors, reason,
+            )  # fmt: skip
+            self._count("ejections", e.name, reason)
 
     def _count(self, counter: str, name: str, reason: str) -> None:
         if self.metrics is not None:
@@ -280,8 +243,7 @@ class EndpointPool:
             for e in self.endpoints.values():
                 if e.healthy or e.retry_at <= now:
                     due.setdefault(e.url, []).append(e)
-                if e.ejected and e.ejected_until <= now:
-                    e.ejected = False
+                if ejection_ended(e, now):
                     logger.info("endpoint %s back from ejection", e.name)
                     self._count("readmissions", e.name, "ejection_expired")
             if due:
@@ -311,7 +273,7 @@ class EndpointPool:
                 logger.info("endpoint %s healthy again", e.name)
                 self._count("readmissions", e.name, "reachable")
                 if e.failures >= LOST_AFTER:  # it was gone: a restarted engine starts afresh
-                    e.ejected_until, e.ejected, e.times_ejected, e.errors = 0.0, False, 0, 0
+                    forget_ejections(e)
             e.mark_success()
             e.waiting, e.running, e.kv_usage = parse_engine_load(rank_page(text, e.dp_rank))
             e.last_scrape = time.monotonic()

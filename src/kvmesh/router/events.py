@@ -2,7 +2,8 @@
 index, which the publisher's replay socket keeps whole: on subscribing (a new router, or a
 subscription started again) the buffered history is replayed; a sequence gap, or a quiet spell
 that may hide a lost last batch, is repaired from it; a publisher whose sequence began again (its
-engine restarted) has the endpoint's entries cleared, as AllBlocksCleared would, then replayed."""
+engine restarted) has the endpoint's entries cleared, as AllBlocksCleared would, then replayed.
+Where each endpoint's publisher is: router.event_sources."""
 
 from __future__ import annotations
 
@@ -18,42 +19,14 @@ import zmq
 import zmq.asyncio
 
 from kvmesh.protocol.kv_events import KVEventBatch, decode_batch
-from kvmesh.protocol.zmq_events import offset_endpoint, publisher_binds
+from kvmesh.protocol.zmq_events import END_SEQ
 from kvmesh.router.endpoints import Endpoint
+from kvmesh.router.event_sources import discover
 
 logger = logging.getLogger(__name__)
-END_SEQ = b"\xff" * 8  # the seq frame that ends a replay
 REPLAY_WAIT = 2.0  # seconds a replay socket may stay silent before the replay is given up
 RETRY_AFTER = 1.0  # after a replay was given up, live batches are applied as they come this long
 RECENT = 4096  # the last batches of a replay remembered, to know their live copies
-
-
-def _rank_source(sources: dict, rank: int | None) -> dict | None:
-    """The KV-event source of one data-parallel rank: its own entry when the server lists it,
-    else the first listed one with its endpoints offset by the rank difference (as vLLM's
-    publishers are)."""
-    if rank is not None and str(rank) in sources:
-        return sources[str(rank)]
-    key, cfg = next(iter(sources.items()))
-    if rank is None or not cfg:
-        return cfg
-    delta = rank - (int(key) if str(key).isdigit() else 0)
-    if delta <= 0:
-        return cfg
-    cfg = dict(cfg)
-    for name in ("endpoint", "replay_endpoint"):
-        if cfg.get(name):
-            cfg[name] = offset_endpoint(cfg[name], delta)
-    return cfg
-
-
-def subscribe_address(publisher_endpoint: str, host: str) -> str:
-    """Where the router's SUB socket goes for an engine's publisher endpoint: a publisher that
-    binds (wildcard, ipc, inproc) is connected to at the engine's host; one that connects to a
-    named address needs the router to bind it ("bind:" prefix)."""
-    if publisher_binds(publisher_endpoint):
-        return publisher_endpoint.replace("*", host)
-    return "bind:" + publisher_endpoint
 
 
 @dataclass(slots=True)
@@ -127,28 +100,6 @@ class EventIngest:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
 
-    async def _discover(self, e: Endpoint) -> tuple[str, str | None, str]:
-        """(sub endpoint, replay endpoint, topic) from the engine's /kv_event_sources."""
-        if e.kv_events != "auto":  # given as the publisher says it: tcp://*:5557 is reached
-            ep = e.kv_events  # at the endpoint's host; a named address is bound by the router
-            replay = e.kv_events_replay.replace("*", e.host) if e.kv_events_replay else None
-            return ep if ep.startswith("bind:") else subscribe_address(ep, e.host), replay, ""
-        while True:
-            try:
-                async with self.session.get(
-                    e.url + "/kv_event_sources", timeout=aiohttp.ClientTimeout(total=2)
-                ) as resp:
-                    sources = await resp.json()
-                cfg = _rank_source(sources, e.dp_rank)
-                if cfg and cfg.get("endpoint"):
-                    break
-            except (TimeoutError, aiohttp.ClientError, ValueError, StopIteration, AttributeError):
-                pass
-            await asyncio.sleep(1.0)
-        replay = cfg.get("replay_endpoint")
-        replay = replay.replace("*", e.host) if replay else None
-        return subscribe_address(cfg["endpoint"], e.host), replay, cfg.get("topic", "")
-
     async def _run(self, e: Endpoint) -> None:
         """Follow one endpoint's events; a failure is logged and the subscription retried."""
         while True:
@@ -163,7 +114,7 @@ class EventIngest:
     async def _follow(self, e: Endpoint) -> None:
         """Subscribe first, then replay: batches published meanwhile wait in the socket and
         are dropped as copies of replayed ones, or fill what the replay ended before."""
-        sub_ep, replay_ep, topic = await self._discover(e)
+        sub_ep, replay_ep, topic = await discover(self.session, e)
         feed = self.feeds.setdefault(e.name, _Feed(time.monotonic()))
         sock = self.ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)

@@ -10,7 +10,7 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import httptools
 import msgspec
@@ -290,53 +290,3 @@ class FrontDoor(asyncio.Protocol):
 
     def respond_error(self, status: int, message: str, extra: str = "") -> None:
         self.respond(status, msgspec.json.encode(error_body(message, status)), extra=extra)
-
-
-@dataclass(slots=True)
-class RouterServer:
-    router: Any  # kvmesh.router.app.Router
-    server: asyncio.AbstractServer
-    doors: set[FrontDoor]
-    sweeper: asyncio.Task | None = None
-
-    async def cleanup(self) -> None:
-        self.server.close()
-        if self.sweeper is not None:
-            self.sweeper.cancel()
-        for door in list(self.doors):
-            if door.transport is not None:
-                door.transport.close()
-        await self.router.stop()
-
-
-async def _close_idle(doors: set[FrontDoor], every: float) -> None:
-    """Close client connections idle for a whole sweep interval (so after every..2*every
-    seconds): no request in progress, none finished and no byte received, a request head left
-    unfinished included."""
-    while True:
-        await asyncio.sleep(every)
-        for door in list(doors):
-            if door.task is None and not door.seen and door.transport is not None:
-                door.transport.close()
-            door.seen = False
-
-
-async def serve(
-    router: Any,
-    host: str,
-    port: int,
-    max_body: int,
-    idle_timeout: float = 75.0,
-    request_timeout: float = 30.0,
-) -> RouterServer:
-    """Listen on host:port; each connection's requests go to router.handle. A request started
-    but not read in full within request_timeout seconds is answered 408."""
-    doors: set[FrontDoor] = set()
-    loop = asyncio.get_running_loop()
-    server = await loop.create_server(
-        lambda: FrontDoor(router.handle, max_body, doors, request_timeout),
-        host,
-        port,
-        backlog=1024,
-    )
-    return RouterServer(router, server, doors, loop.create_task(_close_idle(doors, idle_timeout)))

@@ -41,9 +41,7 @@ async def prefill_remotely(
                 data=json.dumps(prefill).encode(),
                 headers=headers,
                 # a non-streaming answer: its head comes with the whole (one-token) completion
-                timeout=aiohttp.ClientTimeout(
-                    total=router.config.non_streaming_first_byte_timeout
-                ),
+                timeout=aiohttp.ClientTimeout(total=router.config.non_streaming_first_byte_timeout),
             ) as up:
                 answer = await up.json() if up.status == 200 else None
                 if up.status >= 500:  # counts towards ejection, as a decode leg's 5xx does

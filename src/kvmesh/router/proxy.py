@@ -1,7 +1,8 @@
-"""The router's lean HTTP/1.1 client: pooled keep-alive connections to the endpoints. An engine's
-answer goes back as the engine framed it (status line, headers less the
-hop-by-hop ones, Content-Length or chunked body): chunk boundaries are tracked to find the end of
-a response, never re-encoded. Both sides set TCP_NODELAY; a slow client pauses the upstream read.
+"""The router's lean HTTP/1.1 client: keep-alive connections to the endpoints (pooled by
+router.upstream_pool). An engine's answer goes back as the engine framed it (status line, headers
+less the hop-by-hop ones, Content-Length or chunked body): chunk boundaries are tracked to find
+the end of a response (router.chunked), never re-encoded. Both sides set TCP_NODELAY; a slow
+client pauses the upstream read.
 """
 
 from __future__ import annotations
@@ -9,15 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import ssl as _ssl
-from dataclasses import dataclass
 from time import monotonic
 from typing import TYPE_CHECKING
-from urllib.parse import urlparse
+
+from kvmesh.router.chunked import ChunkTracker
 
 if TYPE_CHECKING:
-    from kvmesh.router.endpoints import Endpoint
     from kvmesh.router.frontdoor import FrontDoor
+    from kvmesh.router.upstream_pool import UpstreamPool
 
 logger = logging.getLogger(__name__)
 MAX_HEAD = 64 * 1024
@@ -42,50 +42,6 @@ def nodelay(transport: asyncio.BaseTransport) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-# ---- upstream ------------------------------------------------------------------------------
-
-
-class _Chunks:
-    """Where a chunked body ends, found without copying it. ``need``: chunk bytes plus their
-    CRLF still to pass; ``line``: a size (or trailer) line in progress; ``tail``: after the
-    last chunk, reading trailers."""
-
-    __slots__ = ("need", "line", "tail")
-
-    def __init__(self) -> None:
-        self.need, self.line, self.tail = 0, b"", False
-
-    @property
-    def at_boundary(self) -> bool:
-        return self.need == 0 and not self.line and not self.tail
-
-    def feed(self, data: bytes) -> int:
-        """Offset just past the body's end within data, or -1 when it goes on."""
-        i, n = 0, len(data)
-        while i < n:
-            if self.need:
-                take = min(self.need, n - i)
-                self.need -= take
-                i += take
-                continue
-            eol = data.find(b"\n", i)
-            if eol < 0:
-                self.line += data[i:]
-                return -1
-            line, self.line = (self.line + data[i:eol]).rstrip(b"\r"), b""
-            i = eol + 1
-            if self.tail:
-                if not line:
-                    return i
-            else:
-                size = int(line.split(b";", 1)[0].strip() or b"0", 16)
-                if size:
-                    self.need = size + 2
-                else:
-                    self.tail = True
-        return -1
-
-
 class Exchange:
     """One request's trip to an endpoint. A 5xx answer is held back (the router tries another
     endpoint); any other passes to the client as it comes, with ``extra`` header lines.
@@ -103,7 +59,7 @@ class Exchange:
         self.head: asyncio.Future = loop.create_future()
         self.done: asyncio.Future = loop.create_future()
         self.status, self.started = 0, False
-        self.chunks: _Chunks | None = None
+        self.chunks: ChunkTracker | None = None
         self.pending = b""  # the answer's head, sent with the first body bytes when they came too
         self.last = 0.0
 
@@ -198,7 +154,7 @@ class Upstream(asyncio.Protocol):
         self.hbuf = bytearray()
         self.in_head = True
         self.remaining = -1  # Content-Length left; -1: chunked or until close
-        self.chunks: _Chunks | None = None
+        self.chunks: ChunkTracker | None = None
         self.reusable = True
         self.got_bytes = False
         self.closed = False
@@ -273,7 +229,7 @@ class Upstream(asyncio.Protocol):
             if name == b"content-length":
                 self.remaining = int(value)
             elif name == b"transfer-encoding" and b"chunked" in value.lower():
-                self.chunks = _Chunks()
+                self.chunks = ChunkTracker()
             elif name == b"connection" and b"close" in value.lower():
                 self.reusable = False
         if status in (204, 304):
@@ -318,62 +274,3 @@ class Upstream(asyncio.Protocol):
             sink.on_end()  # the body was delimited by the close
         else:
             sink.on_error(f"connection closed: {exc or 'by the endpoint'}")
-
-
-class UpstreamPool:
-    """Idle keep-alive connections to one endpoint, most recently used first."""
-
-    def __init__(self, host: str, port: int, max_idle: int = 256, ssl: bool = False) -> None:
-        self.host, self.port, self.max_idle = host, port, max_idle
-        self.ssl = _ssl.create_default_context() if ssl else None
-        self.idle: list[Upstream] = []
-
-    def take(self) -> Upstream | None:
-        while self.idle:
-            conn = self.idle.pop()
-            if not conn.closed:
-                return conn
-        return None
-
-    async def connect(self, timeout: float) -> Upstream:
-        loop = asyncio.get_running_loop()
-        _, conn = await asyncio.wait_for(
-            loop.create_connection(lambda: Upstream(self), self.host, self.port, ssl=self.ssl),
-            timeout,
-        )
-        return conn
-
-    def give_back(self, conn: Upstream) -> None:
-        if len(self.idle) < self.max_idle:
-            self.idle.append(conn)
-        else:
-            conn.transport.close()
-
-    def forget(self, conn: Upstream) -> None:
-        if conn in self.idle:
-            self.idle.remove(conn)
-
-    def close(self) -> None:
-        for conn in self.idle:
-            conn.transport.close()
-        self.idle.clear()
-
-
-@dataclass(slots=True)
-class Link:
-    """How the router talks to one endpoint: its keep-alive pool and the header lines it adds."""
-
-    url: str
-    pool: UpstreamPool
-    tag: bytes  # response header naming the endpoint
-    headers: str  # request header lines for this endpoint (Host, data-parallel rank)
-
-    @classmethod
-    def of(cls, e: Endpoint) -> Link:
-        u = urlparse(e.url)
-        port = u.port or (443 if u.scheme == "https" else 80)
-        pool = UpstreamPool(u.hostname or "127.0.0.1", port, ssl=u.scheme == "https")
-        headers = f"Host: {u.netloc}\r\n"
-        if e.dp_rank is not None:
-            headers += f"X-data-parallel-rank: {e.dp_rank}\r\n"
-        return cls(e.url, pool, f"x-kvmesh-endpoint: {e.name}".encode("latin-1"), headers)

@@ -1,0 +1,74 @@
+"""How the router reaches each endpoint: a pool of idle keep-alive connections (router.proxy's
+Upstream) and the header lines every request to it carries."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl as _ssl
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+from urllib.parse import urlparse
+
+from kvmesh.router.proxy import Upstream
+
+if TYPE_CHECKING:
+    from kvmesh.router.endpoints import Endpoint
+
+
+class UpstreamPool:
+    """Idle keep-alive connections to one endpoint, most recently used first."""
+
+    def __init__(self, host: str, port: int, max_idle: int = 256, ssl: bool = False) -> None:
+        self.host, self.port, self.max_idle = host, port, max_idle
+        self.ssl = _ssl.create_default_context() if ssl else None
+        self.idle: list[Upstream] = []
+
+    def take(self) -> Upstream | None:
+        while self.idle:
+            conn = self.idle.pop()
+            if not conn.closed:
+                return conn
+        return None
+
+    async def connect(self, timeout: float) -> Upstream:
+        loop = asyncio.get_running_loop()
+        _, conn = await asyncio.wait_for(
+            loop.create_connection(lambda: Upstream(self), self.host, self.port, ssl=self.ssl),
+            timeout,
+        )
+        return conn
+
+    def give_back(self, conn: Upstream) -> None:
+        if len(self.idle) < self.max_idle:
+            self.idle.append(conn)
+        else:
+            conn.transport.close()
+
+    def forget(self, conn: Upstream) -> None:
+        if conn in self.idle:
+            self.idle.remove(conn)
+
+    def close(self) -> None:
+        for conn in self.idle:
+            conn.transport.close()
+        self.idle.clear()
+
+
+@dataclass(slots=True)
+class Link:
+    """How the router talks to one endpoint: its keep-alive pool and the header lines it adds."""
+
+    url: str
+    pool: UpstreamPool
+    tag: bytes  # response header naming the endpoint
+    headers: str  # request header lines for this endpoint (Host, data-parallel rank)
+
+    @classmethod
+    def of(cls, e: Endpoint) -> Link:
+        u = urlparse(e.url)
+        port = u.port or (443 if u.scheme == "https" else 80)
+        pool = UpstreamPool(u.hostname or "127.0.0.1", port, ssl=u.scheme == "https")
+        headers = f"Host: {u.netloc}\r\n"
+        if e.dp_rank is not None:
+            headers += f"X-data-parallel-rank: {e.dp_rank}\r\n"
+        return cls(e.url, pool, f"x-kvmesh-endpoint: {e.name}".encode("latin-1"), headers)
