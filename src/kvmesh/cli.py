@@ -42,6 +42,11 @@ BENCH_COMMANDS = {
         "kvmesh.bench.tier_stall_bench",
         "Decode stall while another request's prefix loads from disk: sync vs async loads.",
     ),
+    "chaos": (
+        "kvmesh.bench.chaos",
+        "Engine and router kills, dropped KV events, 5xx, hangs and stalls on an emulated fleet "
+        "in one run: lost requests, eject / re-admit times, hit rate, index warm-up.",
+    ),
 }
 
 

@@ -1,0 +1,174 @@
+"""The processes of `kvmesh bench chaos` and what watches them: the emulated engines (one
+process each, on fixed ports, so that a killed one starts again where the router looks for it)
+and the router, killed as a crash and started again with the same commands; the run's shared
+state; health waits, the engines' fault switches, and the poller of the router's /metrics."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from kvmesh.bench.chaos_metrics import Sample, parse_router_metrics
+from kvmesh.bench.chaos_report import Result
+from kvmesh.bench.fleet_engines import ADMIN_KEY, admin_headers
+from kvmesh.bench.router_procs import Proc, Target, router_command
+
+POLL_S = 0.05  # the router's /metrics, and /health while waiting for a start
+
+
+def port_block(count: int) -> int:
+    """A base P with P..P+count-1 free, below Linux's ephemeral ports (32768 up), so that no
+    outgoing connection takes the port of an engine while it is down for a restart."""
+    for _ in range(200):
+        base = random.randrange(10_000, 32_000 - count)
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as s:
+                    s.bind(("0.0.0.0", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no {count} free ports in a row below 32000")
+
+
+class Fleet:
+    """The engines (one process each, fixed ports) and the router, killed and started again
+    with the same commands; every start logs to its own file."""
+
+    def __init__(self, args: argparse.Namespace, out: Path, rflags: list[str]) -> None:
+        n, self.out = args.engines, out
+        # engine i: events base+2i, replay base+2i+1, HTTP base+2n+i; the router base+3n
+        base = port_block(3 * n + 1)
+        self.urls = [f"http://127.0.0.1:{base + 2 * n + i}" for i in range(n)]
+        self.cmds = []
+        for i in range(n):
+            events = {"enable_kv_cache_events": True, "publisher": "zmq"}
+            events |= {"endpoint": f"tcp://*:{base + 2 * i}"}
+            events |= {"replay_endpoint": f"tcp://*:{base + 2 * i + 1}"}
+            # the admin key travels in the environment, never on a command line
+            cmd = ["env", f"KVMESH_ADMIN_API_KEY={ADMIN_KEY}", sys.executable, "-m", "kvmesh.cli"]
+            cmd += ["--log-level", "WARNING", "serve", "--emulate", "1", "--host", "127.0.0.1"]
+            cmd += ["--port", str(base + 2 * n + i), "--kv-events-config", json.dumps(events)]
+            cmd += ["--emulate-gpu", args.emulate_gpu, "--emulate-model", args.emulate_model]
+            cmd += ["--emulate-time-scale", f"{args.emulate_time_scale:g}"]
+            self.cmds.append(cmd + args.serve_args.split())
+        port = base + 3 * n
+        self.router_url = f"http://127.0.0.1:{port}"
+        self.router_cmd = router_command(
+            Target("kvmesh", args.preset, tuple(rflags)), self.urls, port, {}
+        )
+        self.engines: list[Proc | None] = [None] * n
+        self.router: Proc | None = None
+        self.starts: dict[str, int] = {}
+
+    def _start(self, cmd: list[str], name: str) -> Proc:
+        k = self.starts[name] = self.starts.get(name, -1) + 1
+        return Proc(cmd, self.out / f"{name}{f'.{k}' if k else ''}.log")
+
+    def start_engine(self, i: int) -> Proc:
+        self.engines[i] = self._start(self.cmds[i], f"engine-{i}")
+        return self.engines[i]
+
+    def start_router(self) -> Proc:
+        self.router = self._start(self.router_cmd, "router")
+        return self.router
+
+    @staticmethod
+    def kill(proc: Proc | None) -> None:
+        """SIGKILL to the process group, as a crash: no cleanup, no goodbye on any socket."""
+        if proc is not None and proc.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.popen.pid, signal.SIGKILL)
+            proc.popen.wait()
+
+    def stop(self) -> None:
+        for p in [self.router, *self.engines]:
+            if p is not None:
+                p.stop()
+
+
+@dataclass
+class State:
+    """What the load, the poller and the timeline share during a run."""
+
+    t0: float = field(default_factory=time.perf_counter)
+    router_gen: int = 0  # bumped at each router kill
+    router_down: bool = False
+    stop: asyncio.Event = field(default_factory=asyncio.Event)  # the timeline has ended
+    results: list[Result] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
+    events: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    fault_counts: dict[str, dict] = field(default_factory=dict)  # GET /admin/faults at the end
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def event(self, kind: str, target: str) -> None:
+        self.events.append({"t": round(self.now(), 3), "kind": kind, "target": target})
+
+
+async def wait_ready(http: aiohttp.ClientSession, url: str, proc: Proc, limit: float = 180) -> bool:
+    """Poll GET /health every 50 ms until 200; False when the process exits or time runs out."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline and proc.popen.poll() is None:
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with http.get(url + "/health", timeout=aiohttp.ClientTimeout(total=1)) as r:
+                if r.status == 200:
+                    return True
+        await asyncio.sleep(POLL_S)
+    return False
+
+
+async def in_rotation(st: State, endpoint: str, since: float, limit: float) -> None:
+    """Until a /metrics sample after `since` shows the endpoint in rotation (or `limit` s)."""
+    deadline = st.now() + limit
+    while st.now() < deadline:
+        s = st.samples[-1] if st.samples else None
+        if s is not None and s.t > since and s.healthy and s.healthy.get(endpoint) == 1.0:
+            return
+        await asyncio.sleep(POLL_S)
+
+
+async def monitor(http: aiohttp.ClientSession, url: str, st: State, stop: asyncio.Event) -> None:
+    """The router's /metrics every 50 ms; a sample without health while it does not answer."""
+    while not stop.is_set():
+        t, gen = st.now(), st.router_gen  # a poll sent after a kill reaches the new router
+        try:
+            async with http.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=1)) as r:
+                st.samples.append(parse_router_metrics(await r.text(), t))
+                st.samples[-1].gen = gen
+        except (aiohttp.ClientError, TimeoutError):
+            st.samples.append(Sample(t))
+        await asyncio.sleep(max(0.0, POLL_S - (st.now() - t)))
+
+
+async def set_faults(http: aiohttp.ClientSession, url: str, body: dict, st: State) -> None:
+    """POST /admin/faults to one engine; a failure is a note, never an exception."""
+    try:
+        async with http.post(url + "/admin/faults", json=body, headers=admin_headers()) as r:
+            if r.status != 200:
+                st.notes.append(f"POST {url}/admin/faults {body}: HTTP {r.status}")
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        st.notes.append(f"POST {url}/admin/faults {body}: {exc}")
+
+
+async def read_fault_counts(http: aiohttp.ClientSession, urls: list[str], st: State) -> None:
+    """Each engine's fault counters (GET /admin/faults, its config left out) into the state."""
+    for u in urls:
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+            async with http.get(u + "/admin/faults", headers=admin_headers()) as r:
+                got = await r.json() if r.status == 200 else {}
+                st.fault_counts[u] = {k: v for k, v in got.items() if k != "config"}
