@@ -274,3 +274,33 @@ def test_load_gauges_fall_when_aborts_leave_the_engine_idle(tokenizer):
             time.sleep(0.05)
         assert load() == (0.0, 0.0, 0.0)
         assert re.search(rb"vllm:num_requests_running\{[^}]*\} 0\.0", http(urls[0] + "/metrics")[2])
+
+
+def test_reset_prefix_cache_publishes_all_blocks_cleared_at_once(tokenizer, tmp_path, monkeypatch):
+    """A router that replays an idle engine's events must see the reset, not the blocks
+    cached before it: the AllBlocksCleared goes out with the reset, not with a later step."""
+    from kvmesh.protocol.kv_events import AllBlocksCleared
+    from kvmesh.protocol.zmq_events import request_replay
+
+    monkeypatch.setenv("KVMESH_DEV_MODE", "1")
+    events = {
+        "enable_kv_cache_events": True,
+        "endpoint": f"ipc://{tmp_path}/kv",
+        "replay_endpoint": f"ipc://{tmp_path}/replay",
+    }
+    engine = {**ADMIN, "kv_events_config": json.dumps(events)}
+    with emulated_fleet(tokenizer, engine=engine) as (urls, _):
+        assert (
+            http(urls[0] + "/v1/completions", {"prompt": "cache " * 60, "max_tokens": 2})[0] == 200
+        )
+        auth = {"Authorization": "Bearer admin-secret"}
+        assert http(urls[0] + "/reset_prefix_cache", b"", auth)[0] == 200
+        deadline = time.monotonic() + 10
+        last = None
+        while time.monotonic() < deadline:
+            batches = request_replay(f"ipc://{tmp_path}/replay", 0)
+            last = batches[-1][1].events[-1] if batches else None
+            if isinstance(last, AllBlocksCleared):
+                break
+            time.sleep(0.05)
+        assert isinstance(last, AllBlocksCleared), last

@@ -83,6 +83,14 @@ class EngineCore:
         self._record_load()  # an engine left idle by aborts must not report their load
         return self._output(request, [], None, "")
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block; its AllBlocksCleared goes out now, not with the next step
+        (an idle engine may take none, and a router replaying the events must see it)."""
+        ok = self.kv.reset_prefix_cache()
+        self.publish_events(self.kv.take_events())
+        self._record_load()
+        return ok
+
     def has_work(self) -> bool:
         return self.scheduler.has_work
 

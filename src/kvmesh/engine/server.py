@@ -139,7 +139,7 @@ async def kv_event_sources(request: web.Request) -> web.Response:
 
 async def reset_prefix_cache(request: web.Request) -> web.Response:
     b: EngineBundle = request.app[BUNDLE]
-    ok = await b.engine.call(lambda core: core.kv.reset_prefix_cache())
+    ok = await b.engine.call(lambda core: core.reset_prefix_cache())
     if not ok:
         raise APIError("Prefix cache is in use by running requests; try again when idle.", 503)
     return web.Response(status=200)
