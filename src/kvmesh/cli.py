@@ -104,6 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
             help="Run N emulated engines on consecutive ports from --port (serve: 1).",
         )
         add_dataclass_args(emu, EmulationConfig, EMULATION_HELP)
+        if name == "up":
+            from kvmesh.commands.serve import UP_ROUTER_FLAGS
+            from kvmesh.router.app import RouterConfig
+
+            routing = p.add_argument_group(
+                "router", "The router's scheduling and failure handling, as `kvmesh router`'s."
+            )
+            helps = {k: ROUTER_HELP[k] for k in UP_ROUTER_FLAGS}
+            add_dataclass_args(routing, RouterConfig, helps)
         p.set_defaults(func=cmd_serve)
 
     rp = sub.add_parser(

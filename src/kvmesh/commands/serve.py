@@ -102,6 +102,34 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     return config_from_args(EngineConfig, args)
 
 
+# the router's scheduling and failure-handling flags that `kvmesh up` takes as well (the ones the
+# engine and router share, --block-size, --api-key and the like, are the engine's, passed on)
+UP_ROUTER_FLAGS = (
+    "preset", "scheduler_config", "max_retries", "scrape_interval", "first_byte_timeout",
+    "non_streaming_first_byte_timeout", "stream_idle_timeout", "outlier_consecutive_errors",
+    "outlier_base_ejection_time", "outlier_max_ejection_time", "outlier_max_ejection_percent",
+    "kv_index_warmup_timeout", "kv_peer_min_cached_token_delta",
+)  # fmt: skip
+
+
+def up_router_config(config: EngineConfig, args: argparse.Namespace, endpoints, kv_events="auto"):
+    """The RouterConfig of `kvmesh up`: the engines' own settings where both have one, the
+    router flags given to `up` for the rest."""
+    from kvmesh.router.app import RouterConfig
+
+    chosen = {name: getattr(args, name) for name in UP_ROUTER_FLAGS if hasattr(args, name)}
+    return RouterConfig(
+        endpoints=list(endpoints),
+        block_size=config.block_size,
+        prefix_caching_hash_algo=config.prefix_caching_hash_algo,
+        kv_events=kv_events,
+        api_key=config.api_key,  # clients send it to the router, the router to the engines
+        endpoint_api_key=config.api_key,
+        trust_request_chat_template=config.trust_request_chat_template,
+        **chosen,
+    )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
         config = _engine_config(args)
@@ -109,6 +137,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             from kvmesh.engine.emulation.builder import EmulationConfig
 
             emu = config_from_args(EmulationConfig, args)
+        if args.command == "up":
+            up_router_config(config, args, [])  # its flags are checked before anything starts
     except ValueError as exc:
         print(f"kvmesh {args.command}: {exc}", file=sys.stderr)
         return 2
@@ -136,7 +166,6 @@ def run_up(config: EngineConfig, args: argparse.Namespace) -> int:
 
     from kvmesh.engine.builder import build_engine
     from kvmesh.engine.server import start_server
-    from kvmesh.router.app import RouterConfig
 
     if not config.kv_events_config:
         ipc = tempfile.mkdtemp(prefix="kvmesh-")
@@ -155,14 +184,7 @@ def run_up(config: EngineConfig, args: argparse.Namespace) -> int:
     async def main() -> None:
         engine_runner = await start_server(bundle, args.host, args.port + 1)
         engine_url = f"http://{args.host}:{args.port + 1}"
-        rcfg = RouterConfig(
-            endpoints=[engine_url],
-            block_size=config.block_size,
-            prefix_caching_hash_algo=config.prefix_caching_hash_algo,
-            api_key=config.api_key,  # clients send it to the router, the router to the engine
-            endpoint_api_key=config.api_key,
-            trust_request_chat_template=config.trust_request_chat_template,
-        )
+        rcfg = up_router_config(config, args, [engine_url])
         _, router_runner = await start_router_from(rcfg, args.host, args.port, bundle.tokenizer)
         print(
             f"kvmesh ready: http://{args.host}:{args.port}/v1 (router; model "
@@ -200,17 +222,8 @@ def run_emulated(config: EngineConfig, emu, args: argparse.Namespace) -> int:
             print(f"  engine {url}/v1", flush=True)
         runner = None
         if with_router:
-            from kvmesh.router.app import RouterConfig
-
-            rcfg = RouterConfig(
-                endpoints=urls,
-                block_size=config.block_size,
-                prefix_caching_hash_algo=config.prefix_caching_hash_algo,
-                kv_events="auto" if config.kv_events_config else None,
-                api_key=config.api_key,  # clients send it to the router, the router to engines
-                endpoint_api_key=config.api_key,
-                trust_request_chat_template=config.trust_request_chat_template,
-            )
+            kv_events = "auto" if config.kv_events_config else None
+            rcfg = up_router_config(config, args, urls, kv_events)
             _, runner = await start_router_from(rcfg, args.host, args.port)
             print(
                 f"kvmesh ready: http://{args.host}:{args.port}/v1 (router, preset {rcfg.preset})",
