@@ -14,7 +14,7 @@ from kvmesh.engine.async_engine import AsyncEngine, EngineOverloaded
 from kvmesh.engine.core import RequestOutput
 from kvmesh.engine.sequence import Request, SamplingParams
 from kvmesh.engine.tokenizer import encode, encode_off_loop, min_tokens
-from kvmesh.protocol.chat_template import render_chat, request_template, text_of_parts
+from kvmesh.protocol.chat_template import render_chat, request_template, template_message
 from kvmesh.protocol.openai import (
     APIError,
     ChatCompletionRequest,
@@ -99,7 +99,9 @@ class OpenAIServing:
     def chat_text(self, req: ChatCompletionRequest, template: str | None) -> str:
         """The chat's prompt text (protocol.chat_template: sandboxed, and a request's template
         within its time budget)."""
-        messages = [{k: v for k, v in msg_dict(m).items() if v is not None} for m in req.messages]
+        messages = [template_message(msg_dict(m)) for m in req.messages]
+        if any(isinstance(m.get("content"), list) for m in messages):
+            raise APIError("Only text content parts are supported.", param="messages")
         if not messages:
             raise APIError("messages must not be empty.", param="messages")
         return render_chat(
@@ -247,12 +249,9 @@ class OpenAIServing:
 
 
 def msg_dict(m) -> dict:
-    content = text_of_parts(m.content)  # text parts joined by newlines, as vLLM joins them
-    if isinstance(content, list):
-        raise APIError("Only text content parts are supported.", param="messages")
     return {
         "role": m.role,
-        "content": content,
+        "content": m.content,
         "name": m.name,
         "tool_calls": m.tool_calls,
         "tool_call_id": m.tool_call_id,

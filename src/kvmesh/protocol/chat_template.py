@@ -92,6 +92,14 @@ def text_of_parts(content: Any) -> Any:
     return "\n".join(texts)
 
 
+def template_message(message: dict) -> dict:
+    """A message as templates read it, on engine and router alike: keys whose value is None
+    dropped, text-only content parts joined (``text_of_parts``)."""
+    return {
+        k: text_of_parts(v) if k == "content" else v for k, v in message.items() if v is not None
+    }
+
+
 def sandboxed(tokenizer: Any) -> bool:
     """Whether the tokenizer renders templates in an immutable sandbox (cached on it)."""
     verdict = getattr(tokenizer, "_kvmesh_sandboxed", None)

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvmesh.protocol.chat_template import render_chat, text_of_parts
+from kvmesh.protocol.chat_template import render_chat, template_message
 from kvmesh.router.block_keys import BlockKeyCache, BlockKeyStats
 from kvmesh.router.fastbpe import FastBPE
 from kvmesh.router.tokenizer_probes import fast_backend, offsets_work, special_affixes
@@ -154,12 +154,7 @@ class PromptTokenizer:
         """The chat's prompt text as the engine renders it (protocol.chat_template): keys whose
         value is None dropped, text-only content parts joined. Touches no cache: any thread
         may call it while another encodes."""
-        msgs = [
-            {k: text_of_parts(v) if k == "content" else v for k, v in m.items() if v is not None}
-            if isinstance(m, dict)
-            else m
-            for m in messages
-        ]
+        msgs = [template_message(m) if isinstance(m, dict) else m for m in messages]
         return render_chat(
             self.tokenizer,
             msgs,
