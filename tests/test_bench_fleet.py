@@ -20,7 +20,6 @@ def test_parse_counters_sums_series() -> None:
     )
     got = loadgen.parse_counters(page)
     assert got["hits"] == 48 and got["queries"] == 100 and got["preemptions"] == 0
-    assert loadgen.pct([1, 2, 3, 4], 50) == 2.5 and loadgen.pct([], 90) == 0.0
 
 
 def test_load_of_a_router_that_names_no_endpoint_comes_from_the_engines() -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvmesh.bench import workloads as w
+from kvmesh.protocol.trace import TRACE_BLOCK
 
 TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
 
@@ -103,8 +104,8 @@ def test_trace_block_reuse_equals_hash_id_reuse(tokenizer) -> None:
             if h not in seen:  # in full (only the last block of a prompt can be cut)
                 break
             run = j + 1
-        expect += min(run * w.TRACE_BLOCK, (n - 1) // 16 * 16)
-        seen.update(row["hash_ids"][: n // w.TRACE_BLOCK])
+        expect += min(run * TRACE_BLOCK, (n - 1) // 16 * 16)
+        seen.update(row["hash_ids"][: n // TRACE_BLOCK])
     got = w.hit_ceiling(wl.requests)
     assert abs(got["hit_tokens"] - expect) <= 0.002 * got["prompt_tokens"]
     # the text: equal hash ids give equal token blocks at equal offsets

@@ -41,7 +41,7 @@ BAD_BODIES: list[tuple[str, bytes]] = [
     ("/v1/completions", b'{"prompt": "x", "seed": 1180591620717411303424}'),
     ("/v1/completions", b'{"prompt": "x", "model": "no-such-model"}'),
     ("/v1/chat/completions", b'{"messages": []}'),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user"}]}'),
+    ("/v1/chat/completions", b'{"messages": [{"content": "no role"}]}'),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": {"a": 1}}]}'),
     ("/v1/chat/completions", b'{"messages": "hi"}'),
     (

@@ -9,7 +9,7 @@ from kvmesh.router.plugins import (
     NoHitLRUScorer,
     PrecisePrefixScorer,
     SchedulingRequest,
-    best_match_fraction,
+    SchedulingState,
 )
 
 
@@ -21,8 +21,12 @@ class Index:
         return {n: h for n, h in self.hits.items() if n in names}
 
 
-def request(blocks: int = 10) -> SchedulingRequest:
-    return SchedulingRequest("r", None, [], list(range(blocks)), {})
+def request(index: Index, eps: list[Endpoint], blocks: int = 10) -> SchedulingRequest:
+    """A request whose scheduling state holds `index`'s answer as both matches."""
+    req = SchedulingRequest("r", None, [], list(range(blocks)), {})
+    req.state = SchedulingState.of(req)
+    req.state.look_up(req.block_keys, [e.name for e in eps], index, index)
+    return req
 
 
 def endpoints() -> list[Endpoint]:
@@ -33,23 +37,22 @@ def test_short_shared_match_is_not_followed() -> None:
     eps = endpoints()
     a, b, c = (e.name for e in eps)
     shared = Index({a: 3, b: 3})  # 3 of 10 blocks: a system prompt every session shares
-    req = request()
-    assert PrecisePrefixScorer("p", shared, 0.5).score(req, eps) == {a: 0.0, b: 0.0, c: 0.0}
-    assert ApproxPrefixScorer("x", shared, 0.5).score(req, eps) == {a: 0.0, b: 0.0, c: 0.0}
-    assert best_match_fraction(req) == 0.3
+    req = request(shared, eps)
+    assert PrecisePrefixScorer("p", 0.5).score(req, eps) == {a: 0.0, b: 0.0, c: 0.0}
+    assert ApproxPrefixScorer("x", 0.5).score(req, eps) == {a: 0.0, b: 0.0, c: 0.0}
+    assert req.state.best_fraction() == 0.3
     lru = NoHitLRUScorer("n", threshold=0.5)
-    assert lru._cold(req) and set(lru.score(req, eps).values()) == {1.0, 0.5, 0.0}
+    assert lru.cold(req) and set(lru.score(req, eps).values()) == {1.0, 0.5, 0.0}
     # without a threshold the same request is warm and its holders score by fraction
-    req = request()
-    assert PrecisePrefixScorer("p", shared).score(req, eps) == {a: 0.3, b: 0.3, c: 0.0}
-    assert not NoHitLRUScorer("n")._cold(req)
+    assert PrecisePrefixScorer("p").score(req, eps) == {a: 0.3, b: 0.3, c: 0.0}
+    assert not NoHitLRUScorer("n").cold(req)
 
 
 def test_long_match_is_followed() -> None:
     eps = endpoints()
     a, b, c = (e.name for e in eps)
-    req = request()
-    scores = PrecisePrefixScorer("p", Index({a: 8, b: 3}), 0.5).score(req, eps)
+    req = request(Index({a: 8, b: 3}), eps)
+    scores = PrecisePrefixScorer("p", 0.5).score(req, eps)
     assert scores == {a: 0.8, b: 0.3, c: 0.0}
     lru = NoHitLRUScorer("n", threshold=0.5)
-    assert not lru._cold(req) and set(lru.score(req, eps).values()) == {0.5}
+    assert not lru.cold(req) and set(lru.score(req, eps).values()) == {0.5}

@@ -5,8 +5,18 @@ from __future__ import annotations
 import pytest
 
 from kvmesh.router.endpoints import Endpoint
-from kvmesh.router.pipeline import PRESETS, Pipeline
-from kvmesh.router.plugins import SchedulingRequest, build_plugin
+from kvmesh.router.pipeline import PRESETS, Pipeline, Profile
+from kvmesh.router.plugins import (
+    FILTER,
+    HANDLER,
+    PICKER,
+    REGISTRY,
+    SCORER,
+    Plugin,
+    SchedulingRequest,
+    SchedulingState,
+    build_plugin,
+)
 
 
 class Indexes:
@@ -36,9 +46,18 @@ def req(nblocks: int = 4, headers=None) -> SchedulingRequest:
     )
 
 
+def with_state(r: SchedulingRequest, endpoints, ctx) -> SchedulingRequest:
+    """r with its scheduling state as a pipeline pass fills it (both indexes looked up)."""
+    r.state = SchedulingState.of(r)
+    names = [e.name for e in endpoints]
+    r.state.look_up(r.block_keys, names, ctx.precise_index, ctx.approximate_index)
+    return r
+
+
 def score(type_name: str, endpoints, r=None, ctx=None, params=None):
-    plugin = build_plugin(type_name, type_name, params or {}, ctx or Indexes())
-    return plugin.score(r or req(), endpoints)
+    ctx = ctx or Indexes()
+    plugin = build_plugin(type_name, type_name, params or {}, ctx)
+    return plugin.score(with_state(r or req(), endpoints, ctx), endpoints)
 
 
 def test_queue_scorer_min_max_normalised():
@@ -123,13 +142,11 @@ def test_session_affinity_binds_after_choice():
 def test_no_hit_lru_spreads_cold_requests_and_is_neutral_when_warm():
     plugin = build_plugin("no-hit-lru-scorer", "n", {}, Indexes())
     e = eps(a=(0, 0, 0), b=(0, 0, 0), c=(0, 0, 0))
-    cold = req()
-    cold.precise, cold.approximate = {}, {}
+    cold = with_state(req(), e, Indexes())
     plugin.chosen(cold, e[0])
     plugin.chosen(cold, e[1])
     assert plugin.score(cold, e) == {"c": 1.0, "a": 0.5, "b": 0.0}
-    warm = req()
-    warm.precise = {"a": 1.0}
+    warm = with_state(req(), e, Indexes(precise={"a": 1.0}))
     assert plugin.score(warm, e) == {"a": 0.5, "b": 0.5, "c": 0.5}
 
 
@@ -169,6 +186,19 @@ def test_presets_build_and_pick(name):
     pipe = Pipeline.preset(name, Indexes())
     e = eps(a=(0, 0, 0), b=(1, 0.5, 1))
     assert pipe.schedule(req(), e).primary.name in {"a", "b"}
+
+
+@pytest.mark.parametrize("type_name", sorted(REGISTRY))
+def test_every_plugin_type_is_registered_once_and_builds_on_its_defaults(type_name):
+    """Filters, scorers, pickers and profile handlers alike: one table, type name to kind,
+    parameters (with defaults) and factory."""
+    t = REGISTRY[type_name]
+    assert t.kind in (FILTER, SCORER, PICKER, HANDLER)
+    third = {"decode": Profile("decode")} if t.kind == HANDLER else Indexes()
+    plugin = build_plugin(type_name, "p", None, third)
+    assert isinstance(plugin, Plugin) and plugin.name == "p"
+    with pytest.raises(ValueError, match="unknown parameter.*nope"):
+        build_plugin(type_name, "p", {"nope": 1}, third)
 
 
 def test_bad_config_is_a_clear_error():
@@ -214,7 +244,6 @@ async def test_endpoint_backoff_and_loss_after_repeated_failures():
 
 def test_profiles_without_prefix_plugins_skip_tokenizing_and_kv_events(tokenizer):
     from kvmesh.router.app import Router, RouterConfig
-    from kvmesh.router.plugins import needs_tokens, reads_precise_index
 
     def ctx():
         return Indexes()
@@ -230,7 +259,7 @@ def test_profiles_without_prefix_plugins_skip_tokenizing_and_kv_events(tokenizer
     }
     for name, flags in expect.items():
         pipeline = Pipeline.preset(name, ctx())
-        assert (needs_tokens(pipeline), reads_precise_index(pipeline)) == flags, name
+        assert (pipeline.reads_tokens, pipeline.reads_precise_index) == flags, name
     body = b'{"prompt": "' + b"a prompt long enough to fill blocks " * 8 + b'"}'
     for preset, encodes in (("round-robin", 0), ("kvmesh", 1)):
         router = Router(RouterConfig(["http://127.0.0.1:1"], preset=preset), tokenizer)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -9,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvmesh.protocol.hashing import BlockHasher, block_hash_to_int
+from kvmesh.protocol.prompt import chat_prompt, decode_chat, prompt_token_ids
 from kvmesh.router.tokens import PromptTokenizer
 
 FRAGMENTS = [
@@ -46,9 +48,17 @@ FRAGMENTS = [
 
 @pytest.fixture(scope="module")
 def tok():
-    from kvmesh.engine.tokenizer import load_tokenizer
+    from kvmesh.protocol.tokenizer import load_tokenizer
 
     return load_tokenizer(None)[0]
+
+
+def encode_chat(pt: PromptTokenizer, messages: list[dict], **fields) -> list[int]:
+    """A chat's ids as the router makes them: protocol.prompt's text, the cached encoder."""
+    chat = chat_prompt(
+        decode_chat(json.dumps({"messages": messages, **fields}).encode()), pt.tokenizer, None
+    )
+    return prompt_token_ids(pt.tokenizer, chat, pt.encode_completion)[0]
 
 
 def ref_keys(ids, algo="sha256", block_size=16, **kw):
@@ -114,7 +124,7 @@ def test_growing_context_encodes_and_hashes_only_the_tail(tok):
         n = len(history)
         body = " ".join(words[(n + i) % len(words)] for i in range(120))
         history.append({"role": "user" if n % 2 else "assistant", "content": f"turn {n}: {body}"})
-    first = pt.encode_chat(history)
+    first = encode_chat(pt, history)
     text1 = tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
     assert first == tok.encode(text1, add_special_tokens=False)
     assert len(text1) > 20_000
@@ -127,7 +137,7 @@ def test_growing_context_encodes_and_hashes_only_the_tail(tok):
     assert text2.startswith(text1)
     before = (pt.stats.chars_encoded, pt.stats.blocks_hashed, pt.stats.blocks_reused)
     t0 = time.perf_counter()
-    second = pt.encode_chat(history)
+    second = encode_chat(pt, history)
     keys2 = pt.block_keys(second)
     elapsed = time.perf_counter() - t0
     assert second == tok.encode(text2, add_special_tokens=False)
@@ -144,7 +154,7 @@ def test_growing_context_encodes_and_hashes_only_the_tail(tok):
     assert pt.stats.prefix_hits == 1 and pt.stats.seam_failures == 0
     print(f"\nturn 2: {len(text2)} chars, {chars} encoded, {hashed} blocks hashed, {elapsed:.4f}s")
 
-    again = pt.encode_chat(history)  # an identical prompt (a retry) encodes nothing
+    again = encode_chat(pt, history)  # an identical prompt (a retry) encodes nothing
     assert again == second and pt.stats.exact_hits == 1
     assert pt.stats.chars_encoded - before[0] == chars
     assert pt.cache_info()["runs"] == 1  # the first turn's run was superseded and dropped
@@ -177,7 +187,7 @@ def test_chat_drops_none_keys_like_the_engine(tok):
     text = tok.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=False
     )
-    assert pt.encode_chat(msgs, add_generation_prompt=False) == tok.encode(
+    assert encode_chat(pt, msgs, add_generation_prompt=False) == tok.encode(
         text, add_special_tokens=False
     )
 

@@ -199,6 +199,19 @@ def test_tokenize_detokenize(server):
     assert json.loads(http(url + "/detokenize", {"tokens": tok["tokens"]})[2])["prompt"] == PROMPT
     chat = json.loads(http(url + "/tokenize", {"messages": [{"role": "user", "content": "hi"}]})[2])
     assert chat["count"] > 2
+    prefill = {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            {"role": "assistant", "content": "Hello"},
+        ],
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+    }
+    chat = json.loads(http(url + "/tokenize", prefill)[2])
+    body = {**prefill, "max_tokens": 1, "return_token_ids": True}
+    out = json.loads(http(url + "/v1/chat/completions", body)[2])
+    assert chat["tokens"] == out["prompt_token_ids"]  # one prompt path for both routes
+    assert chat["token_strs"] is None and chat["count"] == len(chat["tokens"])
 
 
 def test_metrics_have_vllm_names(server, client, model):

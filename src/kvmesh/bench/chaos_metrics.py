@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prometheus_client.parser import text_string_to_metric_families
+from kvmesh.protocol.prom import parse_samples
 
 PREFIX = "kvmesh_router_"
 COUNTED = ("eject", "readmi", "replay", "gap")  # counters kept in Sample.extras
@@ -39,21 +39,20 @@ def parse_router_metrics(text: str, t: float = 0.0) -> Sample:
     samples) that a router may or may not export."""
     s = Sample(t, {})
     ejected: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for name, labels, value, *_ in family.samples:
-            short, ep = name.removeprefix(PREFIX), labels.get("endpoint")
-            if short == "endpoint_healthy" and ep:
-                s.healthy[ep] = value
-            elif short == "endpoint_ejected" and ep:
-                ejected[ep] = value
-            elif short == "kv_index_warm" and ep:
-                s.warm[ep] = value
-            elif short == "kv_index_warm_seconds" and ep:
-                s.warm_s[ep] = value
-            elif short == "index_entries" and labels.get("index") == "precise":
-                s.precise = value
-            elif name.endswith("_total") and any(k in name for k in COUNTED):
-                s.extras[_key(name, labels)] = value
+    for name, labels, value in parse_samples(text):
+        short, ep = name.removeprefix(PREFIX), labels.get("endpoint")
+        if short == "endpoint_healthy" and ep:
+            s.healthy[ep] = value
+        elif short == "endpoint_ejected" and ep:
+            ejected[ep] = value
+        elif short == "kv_index_warm" and ep:
+            s.warm[ep] = value
+        elif short == "kv_index_warm_seconds" and ep:
+            s.warm_s[ep] = value
+        elif short == "index_entries" and labels.get("index") == "precise":
+            s.precise = value
+        elif name.endswith("_total") and any(k in name for k in COUNTED):
+            s.extras[_key(name, labels)] = value
     for ep, v in ejected.items():
         if v and ep in s.healthy:
             s.healthy[ep] = 0.0

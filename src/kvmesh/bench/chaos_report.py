@@ -18,7 +18,7 @@ from kvmesh.bench.chaos_metrics import (
     last_precise,
     warm_time,
 )
-from kvmesh.bench.loadgen import pct
+from kvmesh.protocol.stats import percentile
 
 OUTCOMES = ("ok", "lost", "broken")
 PHASE_KEYS = ("eject_s", "readmit_s", "ejections", "ejections_counted", "readmissions_counted")
@@ -86,8 +86,8 @@ def summarize(results: list[Result]) -> dict:
     hit = hit_rate(results)
     out["retried"] = sum(r.retries > 0 for r in results)
     out["hit_rate"] = round(hit, 4) if hit is not None else None
-    out["ttft_ms_p50"] = round(pct(ttft, 50), 1) if ttft else None
-    out["ttft_ms_p90"] = round(pct(ttft, 90), 1) if ttft else None
+    out["ttft_ms_p50"] = round(percentile(ttft, 50), 1) if ttft else None
+    out["ttft_ms_p90"] = round(percentile(ttft, 90), 1) if ttft else None
     out["errors"] = sorted({r.error[:120] for r in results if r.error})[:4]
     return out
 

@@ -16,11 +16,20 @@ import urllib.request
 from pathlib import Path
 
 from kvmesh.bench.router_procs import URL_RE, Proc
+from kvmesh.protocol.prom import parse_samples
 
 # the admin key (/admin/*, /reset_prefix_cache) of the engines this bench process starts:
 # the caller's KVMESH_ADMIN_API_KEY, else a fresh one; it goes to the engines in their
 # environment, never on a command line or in a log
 ADMIN_KEY = os.environ.get("KVMESH_ADMIN_API_KEY") or secrets.token_urlsafe(16)
+# the engine counters kv_move_counters sums: peer pulls by outcome, tokens pulled, tier hits
+KV_MOVES = frozenset(
+    (
+        "kvmesh:kv_peer_pulls_total",
+        "kvmesh:kv_peer_pulled_tokens_total",
+        "kvmesh:kv_offload_hits_total",
+    )
+)
 
 
 def admin_headers() -> dict[str, str]:
@@ -131,12 +140,17 @@ def router_metrics(url: str) -> dict[str, float]:
             text = resp.read().decode()
     except OSError:
         return out
-    for line in text.splitlines():
-        if line.startswith("kvmesh_router_") and not line.startswith("kvmesh_router_sched"):
-            key, _, value = line.rpartition(" ")
-            if "_created" not in key and "in_flight" not in key and "healthy" not in key:
-                out[key] = float(value)
+    for s in parse_samples(text, _kept_router_metric):
+        out[s.series()] = s.value
     return out
+
+
+def _kept_router_metric(name: str) -> bool:
+    return (
+        name.startswith("kvmesh_router_")
+        and not name.startswith("kvmesh_router_sched")
+        and not any(part in name for part in ("_created", "in_flight", "healthy"))
+    )
 
 
 def kv_move_counters(urls: list[str]) -> dict[str, float]:
@@ -149,17 +163,14 @@ def kv_move_counters(urls: list[str]) -> dict[str, float]:
                 text = resp.read().decode()
         except OSError:
             continue
-        for line in text.splitlines():
-            key, _, value = line.rpartition(" ")
-            if key.startswith("kvmesh:kv_peer_pulls_total{"):
-                name = "pulls_" + key.split('outcome="', 1)[1].split('"', 1)[0]
-            elif key.startswith("kvmesh:kv_peer_pulled_tokens_total"):
+        for s in parse_samples(text, KV_MOVES.__contains__):
+            if s.name == "kvmesh:kv_peer_pulls_total":
+                name = "pulls_" + s.labels.get("outcome", "")
+            elif s.name == "kvmesh:kv_peer_pulled_tokens_total":
                 name = "pulled_tokens"
-            elif key.startswith("kvmesh:kv_offload_hits_total{"):
-                name = "tier_hit_tokens_" + key.split('medium="', 1)[1].split('"', 1)[0]
             else:
-                continue
-            out[name] = out.get(name, 0.0) + float(value)
+                name = "tier_hit_tokens_" + s.labels.get("medium", "")
+            out[name] = out.get(name, 0.0) + s.value
     return out
 
 

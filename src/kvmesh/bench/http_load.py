@@ -25,6 +25,8 @@ from pathlib import Path
 
 import aiohttp
 
+from kvmesh.protocol.stats import percentile
+
 SUFFIX_WORDS = 16  # new words after a cached long prompt (the "prefix + new turn" case)
 
 # Common English words: with a leading space each is one BPE token in most tokenizers, so n words
@@ -73,7 +75,7 @@ class BatchResult:
             "wall_s": round(self.wall_s, 4),
             "output_tokens": self.output_tokens,
             "prompt_tokens_mean": round(statistics.mean(r.prompt_tokens for r in self.results), 1),
-            "ttft_ms_p50": round(statistics.median(ttfts), 2),
+            "ttft_ms_p50": round(percentile(ttfts, 50), 2),
             "ttft_ms_max": round(max(ttfts), 2),
             "ttft_ms": [round(t, 2) for t in ttfts],
         }

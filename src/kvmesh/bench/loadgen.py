@@ -22,6 +22,8 @@ from rich.table import Table
 from kvmesh.bench.fleet_engines import admin_headers
 from kvmesh.bench.http_load import first_model
 from kvmesh.bench.workloads import VOCAB, Request, Workload
+from kvmesh.protocol.prom import parse_samples
+from kvmesh.protocol.stats import percentile
 
 ENDPOINT_HEADER = "x-kvmesh-endpoint"
 COUNTERS = {  # engine /metrics counters read before and after a run
@@ -219,17 +221,6 @@ def progress_bars(console: Console) -> Progress:
     )
 
 
-def pct(values: list[float], q: float) -> float:
-    """The q-th percentile (0..100), linearly interpolated; 0 for no values."""
-    if not values:
-        return 0.0
-    v = sorted(values)
-    k = (len(v) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
-
-
 def hit_rate(records: list[Record]) -> float:
     prompt = sum(r.prompt_tokens for r in records if not r.error)
     return sum(r.cached_tokens for r in records if not r.error) / prompt if prompt else 0.0
@@ -239,11 +230,8 @@ def parse_counters(text: str) -> dict[str, float]:
     """Sums of COUNTERS over every series on a Prometheus text page."""
     names = {v: k for k, v in COUNTERS.items()}
     out = dict.fromkeys(COUNTERS, 0.0)
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in names:
-            with contextlib.suppress(IndexError, ValueError):
-                out[names[name]] += float(line.rsplit(" ", 1)[1])
+    for sample in parse_samples(text, names.__contains__):
+        out[names[sample.name]] += sample.value
     return out
 
 
@@ -298,14 +286,14 @@ def summarize(
         "output_tokens": sum(r.output_tokens for r in ok),
         "output_tok_s": round(sum(r.output_tokens for r in ok) / wall, 1) if wall else 0.0,
         "req_s": round(len(ok) / wall, 3) if wall else 0.0,
-        **{f"ttft_ms_p{q}": round(pct(ms, q), 2) for q in (50, 90, 99)},
+        **{f"ttft_ms_p{q}": round(percentile(ms, q), 2) for q in (50, 90, 99)},
         "ttft_ms_mean": round(sum(ms) / len(ms), 2) if ms else 0.0,
-        "itl_ms_p50": round(pct(itl, 50), 2),
-        "itl_ms_p90": round(pct(itl, 90), 2),
-        "itl_ms_p99": round(pct(itl, 99), 2),  # where prefill stalls in decode batches show
+        "itl_ms_p50": round(percentile(itl, 50), 2),
+        "itl_ms_p90": round(percentile(itl, 90), 2),
+        "itl_ms_p99": round(percentile(itl, 99), 2),  # where prefill stalls in decode batches show
         "itl_ms_max": round(max(itl), 2) if itl else 0.0,
-        "e2e_ms_p50": round(pct(e2e, 50), 2),
-        "e2e_ms_p90": round(pct(e2e, 90), 2),
+        "e2e_ms_p50": round(percentile(e2e, 50), 2),
+        "e2e_ms_p90": round(percentile(e2e, 90), 2),
         "load": load,
         "load_max_mean": round(max(load.values()) / mean, 3) if mean else 0.0,
         "engine_hit_rate": round(deltas["hits"] / deltas["queries"], 4)

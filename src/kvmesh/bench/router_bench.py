@@ -13,14 +13,13 @@ import asyncio
 import contextlib
 import json
 import os
-import statistics
 import textwrap
 import time
 from pathlib import Path
 
 from kvmesh.bench.router_client import Conn, closed_loop, completion_body, prompt_text
 from kvmesh.bench.router_client import request_bytes as raw_request
-from kvmesh.bench.router_micro import pct, run_micro
+from kvmesh.bench.router_micro import run_micro
 from kvmesh.bench.router_procs import (
     ALL_TARGETS,
     Proc,
@@ -33,6 +32,7 @@ from kvmesh.bench.router_procs import (
     start_router,
 )
 from kvmesh.bench.router_report import plot, print_tables, targets_summary
+from kvmesh.protocol.stats import percentile
 
 CASES = (  # name, prompt kind, streaming (then the first body byte is timed, not the end)
     ("small", "small", False),
@@ -93,7 +93,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def _ms(values: list[float]) -> dict[str, float]:
     ms = [v * 1e3 for v in values]
-    return {"p50_ms": round(statistics.median(ms), 4), "p99_ms": round(pct(ms, 0.99), 4)}
+    return {"p50_ms": round(percentile(ms, 50), 4), "p99_ms": round(percentile(ms, 99), 4)}
 
 
 def measure_latency(router: str, engines: list[str], model: str | None, n: int, seed: int):

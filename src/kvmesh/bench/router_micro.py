@@ -15,17 +15,13 @@ import time
 from types import SimpleNamespace
 
 from kvmesh.bench.http_load import WORDS
-
-
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+from kvmesh.protocol.stats import percentile
 
 
 def summarize(ms: list[float]) -> dict[str, float]:
     return {
-        "p50": round(statistics.median(ms), 4),
-        "p99": round(pct(ms, 0.99), 4),
+        "p50": round(percentile(ms, 50), 4),
+        "p99": round(percentile(ms, 99), 4),
         "mean": round(statistics.fmean(ms), 4),
     }
 
@@ -67,7 +63,7 @@ def run_micro(
     seed: int = 0,
 ) -> dict:
     # the bench talks HTTP; this micro-benchmark alone drives the router's code in-process
-    from kvmesh.engine.tokenizer import load_tokenizer
+    from kvmesh.protocol.tokenizer import load_tokenizer
     from kvmesh.router.endpoints import Endpoint
     from kvmesh.router.index import ApproximateIndex, PreciseIndex
     from kvmesh.router.pipeline import Pipeline

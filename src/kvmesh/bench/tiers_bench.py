@@ -29,8 +29,11 @@ from rich.table import Table
 
 from kvmesh.bench import http_load
 from kvmesh.bench.fleet_engines import ADMIN_KEY, admin_headers
+from kvmesh.protocol.prom import parse_samples
 
 PEER_HEADER = "x-kv-cache-source-host-port"
+# the tier and peer counters a row reports (offload hits, peer transfers, pulled tokens; not pulls)
+_TIER_COUNTER = re.compile(r"kvmesh:kv_(?:offload_hits|peer_(?!pulls_)\w+)_total")
 ROWS = (  # (key in tiers.json, label in the table)
     ("device", "device"),
     ("host", "host"),
@@ -69,13 +72,9 @@ def _tier_counters(url: str) -> dict[str, float]:
     with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
         text = resp.read().decode()
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = re.match(r"(kvmesh:kv_(?:offload_hits|peer_\w+)_total)\{(.*)\} (\S+)", line)
-        if m and "peer_pulls" not in m.group(1):
-            labels = dict(re.findall(r'(medium|transport|outcome)="(\w+)"', m.group(2)))
-            named = [labels[k] for k in ("medium", "transport", "outcome") if k in labels]
-            key = m.group(1) + (f"[{'/'.join(named)}]" if named else "")
-            out[key] = float(m.group(3))
+    for s in parse_samples(text, _TIER_COUNTER.fullmatch):
+        named = [s.labels[k] for k in ("medium", "transport", "outcome") if k in s.labels]
+        out[s.name + (f"[{'/'.join(named)}]" if named else "")] = s.value
     return out
 
 

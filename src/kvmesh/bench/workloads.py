@@ -10,7 +10,6 @@ sequences give equal token blocks. Times are seconds.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from dataclasses import dataclass, field
@@ -18,11 +17,14 @@ from functools import lru_cache
 from pathlib import Path
 
 from kvmesh.bench.http_load import WORDS
+from kvmesh.protocol.ceiling import hit_ceiling as prefix_hit_ceiling
+from kvmesh.protocol.trace import arrival_offsets, read_trace
 
 # one token each in SmolLM2's tokenizer with and without a leading space (checked by a test)
 _SPLIT = {"saw", "looked", "asked", "took", "began"}  # two tokens without the space
 VOCAB: tuple[str, ...] = tuple(w for w in dict.fromkeys(WORDS) if w not in _SPLIT)
-TRACE_BLOCK = 512  # Mooncake hash_ids cover 512-token blocks
+SEGMENT_BASE = 1 << 41  # segment_runs' token ids start here, clear of a trace's
+SEGMENT_SPAN = 1 << 20  # ids reserved for one segment key: longer than any segment
 
 Seg = tuple[str, int]
 
@@ -101,46 +103,28 @@ def prompt_token_ids(prompt: tuple[Seg, ...], seed: int, vocab_ids: list[int]) -
     return [vocab_ids[i] for k, n in prompt if n > 0 for i in segment_vocab_indices(k, n, seed)]
 
 
-def hit_ceiling(requests: list[Request], block_size: int = 16) -> dict:
-    """Prompt tokens an infinite prefix cache would serve, requests taken in list order: the
-    leading full blocks already seen in an earlier prompt. As vLLM, at most the first
-    (n - 1) // block_size blocks of an n-token prompt can hit; all n // block_size are stored."""
-    seen: set[int] = set()
-    hit = total = 0
+def segment_runs(requests: list[Request]) -> list[tuple[tuple[int, int], ...]]:
+    """Each request's prompt as runs of token ids: a segment key's tokens are ids of its own
+    (keys numbered by first appearance), so prompts share exactly the tokens their segments
+    share, as their texts do (a segment's text is a function of its key and offset)."""
+    starts: dict[str, int] = {}
+    out = []
     for r in requests:
-        n = r.prompt_tokens
-        total += n
-        keys = _block_keys(r.prompt, block_size)
-        limit, run = (n - 1) // block_size, 0
-        while run < limit and keys[run] in seen:
-            run += 1
-        hit += run * block_size
-        seen.update(keys)
-    return {
-        "hit_tokens": hit,
-        "prompt_tokens": total,
-        "hit_rate": hit / total if total else 0.0,
-        "block_size": block_size,
-    }
+        runs = []
+        for key, n in r.prompt:
+            if n <= 0:
+                continue
+            if n > SEGMENT_SPAN:
+                raise ValueError(f"segment {key!r} of {n} tokens is longer than {SEGMENT_SPAN}")
+            runs.append((starts.setdefault(key, SEGMENT_BASE + len(starts) * SEGMENT_SPAN), n))
+        out.append(tuple(runs))
+    return out
 
 
-def _block_keys(prompt: tuple[Seg, ...], block_size: int) -> list[int]:
-    """Chained identities of the prompt's full blocks: equal keys mean equal tokens and equal
-    prefixes (segment text is a function of key and offset only)."""
-    keys: list[int] = []
-    pieces: list[tuple[str, int, int]] = []
-    fill, prev = 0, 0
-    for key, length in prompt:
-        pos = 0
-        while pos < length:
-            take = min(block_size - fill, length - pos)
-            pieces.append((key, pos, pos + take))
-            pos, fill = pos + take, fill + take
-            if fill == block_size:
-                prev = hash((prev, *pieces))
-                keys.append(prev)
-                pieces, fill = [], 0
-    return keys
+def hit_ceiling(requests: list[Request], block_size: int = 16) -> dict:
+    """The workload's hit-rate ceiling (kvmesh.protocol.ceiling: an infinite vLLM prefix cache
+    on one engine, requests in list order), as a dict for the reports."""
+    return prefix_hit_ceiling(segment_runs(requests), block_size).as_dict()
 
 
 def _size(rng: random.Random, mean: float, sigma: float = 0.5) -> int:
@@ -250,20 +234,6 @@ def shared_prefix(
     return Workload("shared-prefix", reqs, seed, params)
 
 
-def read_trace_rows(path: str | Path, limit: int = 0, start: int = 0) -> list[dict]:
-    """The rows of a Mooncake-format JSONL trace, skipping the first `start`, at most `limit`
-    (0: all), blank lines ignored."""
-    rows = []
-    with open(path) as f:
-        for i, line in enumerate(f):
-            if i < start or not line.strip():
-                continue
-            if limit and len(rows) >= limit:
-                break
-            rows.append(json.loads(line))
-    return rows
-
-
 def mooncake(
     path: str | Path,
     limit: int = 0,
@@ -273,10 +243,10 @@ def mooncake(
     max_output: int = 0,
     seed: int = 0,
 ) -> Workload:
-    """Mooncake-format trace replay (timestamp ms, input_length, output_length, hash_ids of
-    512-token blocks): block h is the same 512 words wherever it appears (the last block of a
-    prompt is cut to its input length), so the reuse is exactly the trace's. Arrival offsets are
-    the timestamps times `time_scale`, or rescaled to a mean of `rate` requests/s when given."""
+    """Mooncake-format trace replay, prompts as kvmesh.protocol.trace converts them: each run of
+    token ids is a segment of its own words, so equal hash ids give equal text blocks and the
+    reuse is exactly the trace's. Arrival offsets are the timestamps times `time_scale`, or
+    rescaled to a mean of `rate` requests/s when given."""
     params = {
         "trace": str(path),
         "limit": limit,
@@ -285,24 +255,12 @@ def mooncake(
         "rate": rate,
         "max_output": max_output,
     }
-    rows = read_trace_rows(path, limit, start)
-    t0 = rows[0]["timestamp"] if rows else 0
-    span = (rows[-1]["timestamp"] - t0) / 1000 if rows else 0.0
-    scale = (len(rows) - 1) / span / rate if rate > 0 and span > 0 else time_scale
+    rows = read_trace(path, limit, start)
+    offsets = arrival_offsets(rows, time_scale, rate)
     reqs = []
-    for rid, row in enumerate(rows):
-        ids, n = row["hash_ids"], int(row["input_length"])
-        prompt = tuple(
-            (f"h{h}", min(TRACE_BLOCK, n - j * TRACE_BLOCK))
-            for j, h in enumerate(ids)
-            if n > j * TRACE_BLOCK
-        )
-        tail = n - TRACE_BLOCK * len(ids)
-        if tail > 0:  # longer than its blocks: unshared words after them
-            prompt += ((f"tail{start + rid}", tail),)
-        out = max(1, int(row["output_length"]))
-        out = min(out, max_output) if max_output else out
-        at = (row["timestamp"] - t0) / 1000 * scale
+    for rid, (row, at) in enumerate(zip(rows, offsets, strict=True)):
+        prompt = tuple((f"ids{first}", n) for first, n in row.token_runs())
+        out = min(row.max_tokens, max_output) if max_output else row.max_tokens
         reqs.append(Request(rid, rid, prompt, out, at=at))
-    params["span_s"] = round(span * scale, 3)
+    params["span_s"] = round(offsets[-1], 3) if offsets else 0.0
     return Workload("trace", reqs, seed, params)

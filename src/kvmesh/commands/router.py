@@ -22,7 +22,11 @@ ROUTER_HELP = {
     "approx-prefix, precise-prefix, kvmesh.",
     "tokenizer": "Tokenizer of the served model: a local HF directory or GGUF file (default: "
     "the embedded SmolLM2's).",
-    "block_size": "The engines' KV block size (prefix keys are computed exactly as theirs).",
+    "block_size": "The engines' KV block size (prefix keys are computed exactly as theirs). "
+    "Default: learned from each engine's /metrics (vllm:cache_config_info) at start, 16 "
+    "until one reports it. Given, the router refuses to start (exit 2) when an engine reports "
+    "another; engines that join or restart with another size are kept out of rotation "
+    "(kvmesh_router_endpoint_block_size_mismatch).",
     "prefix_caching_hash_algo": "The engines' --prefix-caching-hash-algo (set the same "
     "PYTHONHASHSEED as theirs).",
     "kv_events": "KV event source per endpoint: 'auto' asks each engine's /kv_event_sources; "
@@ -102,8 +106,16 @@ def cmd_router(args: argparse.Namespace) -> int:
         print(f"kvmesh router: {exc}", file=sys.stderr)
         return 2
 
+    from kvmesh.router.block_size import BlockSizeMismatch
+
+    refused: list[str] = []
+
     async def main() -> None:
-        _, runner = await start_router_from(config, args.host, args.port)
+        try:
+            _, runner = await start_router_from(config, args.host, args.port)
+        except BlockSizeMismatch as exc:
+            refused.append(str(exc))
+            return
         print(
             f"kvmesh router ready: http://{args.host}:{args.port}/v1 "
             f"({len(config.endpoints)} endpoints, preset {config.preset})",
@@ -117,4 +129,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     from kvmesh.engine.server import run
 
     run(main())
+    if refused:
+        print(f"kvmesh router: {refused[0]}", file=sys.stderr)
+        return 2
     return 0

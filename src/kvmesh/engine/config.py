@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 from kvmesh.protocol.auth import validate_key
+from kvmesh.protocol.hashing import DEFAULT_BLOCK_SIZE
 
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -18,7 +19,7 @@ class EngineConfig:
     served_model_name: str | None = None
     device: str = "cpu"
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     num_gpu_blocks: int | None = None  # overrides the memory budget when set
     kv_cache_memory_gib: float = 1.0  # budget for the KV cache when num_gpu_blocks is unset
     max_model_len: int | None = None  # defaults to the model's context length (capped by cache)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvmesh.engine.tokenizer import rust_backend
+from kvmesh.protocol.tokenizer import rust_backend
 
 
 @dataclass(slots=True)

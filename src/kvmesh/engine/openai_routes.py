@@ -13,7 +13,6 @@ from kvmesh.protocol.openai import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    completion_prompts,
     decode_request,
     encode_json,
     sse_event,
@@ -121,17 +120,19 @@ def _envelope(rid: str, obj: str, created: int, model: str) -> dict:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     serving: OpenAIServing = request.app[SERVING]
-    req: CompletionRequest = decode_request(await request.read(), CompletionRequest)
+    body = await request.read()
+    prompt = serving.parse_completion(body)  # first, as the router checks it
+    req: CompletionRequest = decode_request(body, CompletionRequest)
     serving.check_model(req.model)
     if req.echo or req.suffix:
         raise APIError("echo and suffix are not supported.", param="echo")
-    _check_token_lists(serving, req.prompt, req.max_tokens)
-    prompts = completion_prompts(req.prompt)
+    _check_token_lists(serving, prompt.prompts, req.max_tokens)
     base = serving.request_id(request.headers, req.request_id)
     reqs, choices = [], []
-    for i, p in enumerate(prompts):
+    special = prompt.add_special_tokens
+    for i, p in enumerate(prompt.prompts):
         if isinstance(p, str):
-            ids = await serving.tokenize(p, req.add_special_tokens, req.max_tokens, "prompt")
+            ids = await serving.tokenize(p, special, req.max_tokens, "prompt")
         else:
             ids = list(p)
         params = serving.sampling_params(req, len(ids), req.max_tokens, req.logprobs)
@@ -186,10 +187,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     serving: OpenAIServing = request.app[SERVING]
-    req: ChatCompletionRequest = decode_request(await request.read(), ChatCompletionRequest)
+    body = await request.read()
+    chat = await serving.parse_chat(body)  # first, as the router checks it
+    req: ChatCompletionRequest = decode_request(body, ChatCompletionRequest)
     serving.check_model(req.model)
-    ids = await serving.tokenize_chat(req)
     max_tokens = req.max_completion_tokens or req.max_tokens
+    ids = await serving.chat_ids(chat, max_tokens)
     top = req.top_logprobs or 0
     if top and not req.logprobs:
         raise APIError("top_logprobs requires logprobs to be true.", param="top_logprobs")
@@ -256,13 +259,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return web.Response(body=encode_json(body), content_type="application/json", headers=headers)
 
 
-def _check_token_lists(serving: OpenAIServing, prompt, max_tokens: int | None) -> None:
+def _check_token_lists(serving: OpenAIServing, prompts: list, max_tokens: int | None) -> None:
     """Token-id prompts past the context are refused by their length, before their ids are
-    looked at one by one."""
-    if isinstance(prompt, list) and prompt:
-        lists = [prompt] if type(prompt[0]) is int else [p for p in prompt if type(p) is list]
-        for ids in lists:
-            serving.check_room(len(ids), max_tokens, "prompt")
+    checked against the vocabulary."""
+    for p in prompts:
+        if isinstance(p, list):
+            serving.check_room(len(p), max_tokens, "prompt")
 
 
 async def _transfer(serving: OpenAIServing, request, params: dict | None) -> None:

@@ -25,7 +25,7 @@ import msgspec
 from kvmesh.engine import shm_transfer
 from kvmesh.engine.sequence import Request, SamplingParams
 from kvmesh.protocol.auth import bearer
-from kvmesh.protocol.openai import ChatCompletionRequest, CompletionRequest, completion_prompts
+from kvmesh.protocol.openai import CompletionRequest, completion_prompts
 
 logger = logging.getLogger(__name__)
 PEER_HEADER = "x-kv-cache-source-host-port"
@@ -77,8 +77,8 @@ async def prompt_token_ids(
     """The prompts of a completion or chat request as token ids, and its cache_salt; long ones
     rendered and tokenized off the event loop, as the handler does."""
     if path.endswith("/chat/completions"):
-        chat = msgspec.json.decode(raw_body, type=ChatCompletionRequest)
-        return [await serving.tokenize_chat(chat)], chat.cache_salt
+        chat = await serving.parse_chat(raw_body)
+        return [await serving.chat_ids(chat, None)], chat.cache_salt
     req = msgspec.json.decode(raw_body, type=CompletionRequest)
     ids = [
         await serving.tokenize(p, req.add_special_tokens, req.max_tokens, "prompt")

@@ -84,15 +84,11 @@ async def models(request: web.Request) -> web.Response:
 
 async def tokenize(request: web.Request) -> web.Response:
     b: EngineBundle = request.app[BUNDLE]
-    req: TokenizeRequest = decode_request(await request.read(), TokenizeRequest)
+    body = await request.read()
+    req: TokenizeRequest = decode_request(body, TokenizeRequest)
     b.serving.check_model(req.model)
-    if req.messages is not None:
-        from kvmesh.protocol.openai import ChatCompletionRequest
-
-        chat = ChatCompletionRequest(
-            messages=req.messages, add_generation_prompt=req.add_generation_prompt
-        )
-        ids = await b.serving.tokenize_chat(chat, check=False)
+    if req.messages is not None:  # the chat's prompt as chat completions make it
+        ids = await b.serving.chat_ids(await b.serving.parse_chat(body), None, check=False)
     elif req.prompt is not None:
         ids = await b.serving.tokenize(req.prompt, req.add_special_tokens, None, "prompt", False)
     else:

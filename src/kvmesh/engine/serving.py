@@ -13,13 +13,22 @@ from dataclasses import dataclass, field
 from kvmesh.engine.async_engine import AsyncEngine, EngineOverloaded
 from kvmesh.engine.core import RequestOutput
 from kvmesh.engine.sequence import Request, SamplingParams
-from kvmesh.engine.tokenizer import encode, encode_off_loop, min_tokens
-from kvmesh.protocol.chat_template import render_chat, request_template, template_message
+from kvmesh.protocol.chat_template import request_template
 from kvmesh.protocol.openai import (
     APIError,
     ChatCompletionRequest,
     context_length_error,
 )
+from kvmesh.protocol.prompt import (
+    ChatPrompt,
+    CompletionPrompt,
+    chat_prompt,
+    chat_text,
+    completion_prompt,
+    decode_chat,
+    decode_completion,
+)
+from kvmesh.protocol.tokenizer import encode, encode_off_loop, min_tokens
 
 _counter = itertools.count()
 logger = logging.getLogger(__name__)
@@ -91,45 +100,35 @@ class OpenAIServing:
             self.check_room(least, max_tokens, param, least=True)
         return await asyncio.to_thread(encode_off_loop, self.tokenizer, text, special)
 
-    def chat_template(self, req: ChatCompletionRequest) -> str | None:
-        """The request's own template: None, or one --trust-request-chat-template allows."""
+    # Prompts are made by protocol.prompt, as the router makes them: the same checks in the same
+    # order, so both refuse a bad request with the same 400 and key the same token ids.
+    async def parse_chat(self, body: bytes) -> ChatPrompt:
+        """A chat body's prompt, checked; a large body is checked on a worker thread."""
+        if len(body) < OFF_LOOP_CHARS:
+            return self._chat_prompt(body)
+        return await asyncio.to_thread(self._chat_prompt, body)
+
+    def _chat_prompt(self, body: bytes) -> ChatPrompt:
+        fields = decode_chat(body)
         trusted = self.trust_request_chat_template
-        return request_template(req.chat_template, req.chat_template_kwargs, trusted)
+        template = request_template(fields.chat_template, fields.chat_template_kwargs, trusted)
+        return chat_prompt(fields, self.tokenizer, template)
 
-    def chat_text(self, req: ChatCompletionRequest, template: str | None) -> str:
-        """The chat's prompt text (protocol.chat_template: sandboxed, and a request's template
-        within its time budget)."""
-        messages = [template_message(msg_dict(m)) for m in req.messages]
-        if any(isinstance(m.get("content"), list) for m in messages):
-            raise APIError("Only text content parts are supported.", param="messages")
-        if not messages:
-            raise APIError("messages must not be empty.", param="messages")
-        return render_chat(
-            self.tokenizer,
-            messages,
-            tools=req.tools,
-            add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message,
-            template=template,
-            template_kwargs=req.chat_template_kwargs,
-        )
+    @staticmethod
+    def parse_completion(body: bytes) -> CompletionPrompt:
+        """A completion body's prompts, checked."""
+        return completion_prompt(decode_completion(body))
 
-    def render_chat(self, req: ChatCompletionRequest) -> list[int]:
-        """Token ids of a chat, on the calling thread (a request template still renders on a
-        thread of its own within its budget)."""
-        text = self.chat_text(req, self.chat_template(req))
-        return self.encode(text, add_special_tokens=False)
-
-    async def tokenize_chat(self, req: ChatCompletionRequest, check: bool = True) -> list[int]:
+    async def chat_ids(
+        self, chat: ChatPrompt, max_tokens: int | None, check: bool = True
+    ) -> list[int]:
         """Token ids of a chat; a long chat, or one with its own template, is rendered on a
         worker thread, and its text tokenized as ``tokenize`` does."""
-        template = self.chat_template(req)
-        if template is None and _chat_chars(req) < OFF_LOOP_CHARS:
-            text = self.chat_text(req, None)
+        if chat.template is None and chat.chars < OFF_LOOP_CHARS:
+            text = chat_text(self.tokenizer, chat)
         else:
-            text = await asyncio.to_thread(self.chat_text, req, template)
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        return await self.tokenize(text, False, max_tokens, "messages", check)
+            text = await asyncio.to_thread(chat_text, self.tokenizer, chat)
+        return await self.tokenize(text, chat.add_special_tokens, max_tokens, "messages", check)
 
     def sampling_params(
         self, req, prompt_len: int, max_tokens: int | None, logprobs: int | None
@@ -246,25 +245,6 @@ class OpenAIServing:
             choice.stop_reason = out.stop_reason
             choice.error = out.error
             choice.kv_transfer_params = out.kv_transfer_params
-
-
-def msg_dict(m) -> dict:
-    return {
-        "role": m.role,
-        "content": m.content,
-        "name": m.name,
-        "tool_calls": m.tool_calls,
-        "tool_call_id": m.tool_call_id,
-    }
-
-
-def _chat_chars(req: ChatCompletionRequest) -> int:
-    """About how long the chat's prompt text will be (tools counted roughly)."""
-    n = 4096 * len(req.tools or ())
-    for m in req.messages:
-        c = m.content
-        n += 64 + (len(c) if isinstance(c, str) else sum(len(str(p)) for p in c or ()))
-    return n
 
 
 def now_s() -> int:

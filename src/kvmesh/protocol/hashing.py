@@ -18,6 +18,8 @@ import xxhash
 HashFn = Callable[[object], bytes]
 
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+# the one default KV block size (vLLM's CacheConfig default on CUDA; its CPU backend uses 128)
+DEFAULT_BLOCK_SIZE = 16
 
 # Seed hashed into NONE_HASH by vLLM 0.32 for the sha256 variants when PYTHONHASHSEED is unset.
 FIXED_NONE_HASH_SEED = "vllm-none-hash"
@@ -144,7 +146,7 @@ def event_extra_keys(
 class BlockHasher:
     """Hashes a request's full blocks incrementally, as its token list grows."""
 
-    def __init__(self, algo: str = "sha256", block_size: int = 16) -> None:
+    def __init__(self, algo: str = "sha256", block_size: int = DEFAULT_BLOCK_SIZE) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.algo = algo

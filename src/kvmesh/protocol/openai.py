@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import msgspec
@@ -167,7 +169,8 @@ TOO_DEEP = f"The request body is nested too deeply (at most {MAX_JSON_DEPTH} lev
 _LEAVES = frozenset({str, int, float, bool, type(None)})
 _SCALARS = (mi.StrType, mi.IntType, mi.FloatType, mi.BoolType, mi.NoneType)
 _decoders: dict[type, msgspec.json.Decoder] = {}
-_nesting: dict[type, tuple[str, ...]] = {}  # Struct class -> its fields that may hold containers
+# Struct class -> a C-speed getter of the tuple of its fields that may hold containers
+_nesting: dict[type, Callable[[Any], tuple]] = {}
 _encoder = msgspec.json.Encoder()
 
 
@@ -175,16 +178,21 @@ def _scalar(t: mi.Type) -> bool:
     return isinstance(t, _SCALARS) or isinstance(t, mi.UnionType) and all(map(_scalar, t.types))
 
 
+def _container_fields(cls: type) -> Callable[[Any], tuple]:
+    names = [f.name for f in mi.type_info(cls).fields if not _scalar(f.type)]
+    if len(names) > 1:
+        return operator.attrgetter(*names)
+    return lambda value: tuple(getattr(value, n) for n in names)
+
+
 def nested_too_deeply(value: Any, levels: int = MAX_JSON_DEPTH) -> bool:
     """Whether decoded JSON (dicts, lists, Structs) nests more than ``levels`` containers;
     costs a look at each container and, in C, at each item of a long list of scalars."""
     if isinstance(value, msgspec.Struct):
-        cls = type(value)
-        names = _nesting.get(cls)
-        if names is None:
-            fields = mi.type_info(cls).fields
-            names = _nesting[cls] = tuple(f.name for f in fields if not _scalar(f.type))
-        items: Any = [getattr(value, name) for name in names]
+        get = _nesting.get(type(value))
+        if get is None:
+            get = _nesting[type(value)] = _container_fields(type(value))
+        items: Any = get(value)
     elif type(value) is dict:
         items = value.values()
     elif type(value) is list:

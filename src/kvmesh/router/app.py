@@ -13,6 +13,7 @@ import aiohttp
 
 from kvmesh.protocol.auth import bearer, validate_key
 from kvmesh.router import handlers
+from kvmesh.router.block_size import EngineBlockSize
 from kvmesh.router.endpoints import Endpoint, EndpointPool
 from kvmesh.router.events import EventIngest
 from kvmesh.router.frontdoor import FrontDoor, Request
@@ -22,7 +23,7 @@ from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.outlier import OutlierDetection
 from kvmesh.router.peer_source import PeerSourceConfig
 from kvmesh.router.pipeline import Pipeline, SchedulingResult
-from kvmesh.router.plugins import SchedulingRequest, needs_tokens, reads_precise_index
+from kvmesh.router.plugins import SchedulingRequest
 from kvmesh.router.request_parser import RequestParser
 from kvmesh.router.upstream_pool import Link
 
@@ -36,7 +37,7 @@ class RouterConfig:
     scheduler_config: str | None = None  # EndpointPickerConfig YAML file
     preset: str = "kvmesh"
     tokenizer: str | None = None  # None: the embedded default model's tokenizer
-    block_size: int = 16
+    block_size: int | None = None  # the engines' KV block size; None: learned from them
     prefix_caching_hash_algo: str = "sha256"
     kv_events: str | None = "auto"  # "auto": ask each endpoint's /kv_event_sources; None: off
     scrape_interval: float = 0.1
@@ -86,6 +87,8 @@ class RouterConfig:
         if self.stream_idle_timeout < 0:
             raise ValueError("--stream-idle-timeout must be 0 (never) or positive")
         self.outlier_detection()  # validates the outlier fields
+        if self.block_size is not None and self.block_size <= 0:
+            raise ValueError(f"--block-size must be positive, got {self.block_size}")
         validate_key("--api-key", self.api_key)
         validate_key("--endpoint-api-key", self.endpoint_api_key)
         if self.kv_index_warmup_timeout < 0:
@@ -112,9 +115,13 @@ class Router:
                 self.pipeline = Pipeline.from_yaml(f.read(), self)
         else:
             self.pipeline = Pipeline.preset(config.preset, self)
-        self.tokens = PromptTokenizer(tokenizer, config.block_size, config.prefix_caching_hash_algo)
+        self.metrics = RouterMetrics()
+        # the one home of the block size: whatever keys or sizes blocks reads or follows it
+        self.block_size = EngineBlockSize(config.block_size, self.metrics)
+        size = self.block_size.value
+        self.tokens = PromptTokenizer(tokenizer, size, config.prefix_caching_hash_algo)
         # a profile of load scorers alone never reads token ids: do not tokenize for it
-        self.parser = RequestParser(self.tokens, needs_tokens(self.pipeline), config.block_size)
+        self.parser = RequestParser(self.tokens, self.pipeline.reads_tokens, size)
         self.parser.trust_request_chat_template = config.trust_request_chat_template
         endpoints = [Endpoint(u, kv_events=config.kv_events) for u in config.endpoints]
         self.pool = EndpointPool(
@@ -126,11 +133,11 @@ class Router:
             outlier=config.outlier_detection(),
         )
         self.peer_sources = (
-            PeerSourceConfig(config.kv_peer_min_cached_token_delta, config.block_size)
+            PeerSourceConfig(config.kv_peer_min_cached_token_delta, size)
             if config.kv_peer_min_cached_token_delta
             else None
         )
-        self.metrics = RouterMetrics()
+        self.block_size.on_change.append(self._block_size_changed)
         self.pool.metrics = self.metrics
         self.session: aiohttp.ClientSession | None = None
         self.events: EventIngest | None = None
@@ -143,10 +150,20 @@ class Router:
             link = self.links[e.name] = Link.of(e)
         return link
 
+    def _block_size_changed(self, size: int) -> None:
+        """Prompts are keyed in blocks of the new size from the next request on; what the
+        approximate index learnt was keyed in the old one, so it is dropped."""
+        self.parser.set_block_size(size)
+        if self.peer_sources is not None:
+            self.peer_sources.block_size = size
+        for name in list(self.pool.endpoints):
+            self.approximate_index.remove_endpoint(name)
+
     def _removed(self, name: str) -> None:
         link = self.links.pop(name, None)
         if link is not None:
             link.pool.close()
+        self.block_size.forget(name)
         self.approximate_index.remove_endpoint(name)
         if self.events is not None:
             self.events.forget(name)
@@ -160,17 +177,16 @@ class Router:
             self.events.resync(name)
 
     async def start(self) -> None:
+        """Reads every endpoint's /metrics once first (a few seconds at most): raises
+        BlockSizeMismatch, with nothing left running, when their block sizes refuse a start."""
         conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
         self.session = aiohttp.ClientSession(connector=conn, auto_decompress=False)
-        self.events = EventIngest(self.precise_index, self.session, self.metrics)
+        self.events = EventIngest(
+            self.precise_index, self.session, self.metrics, block_size=self.block_size
+        )
         # KV events feed the precise index only: skipped when neither the pipeline nor peer
         # source selection reads it
-        subscribe = reads_precise_index(self.pipeline) or self.peer_sources is not None
-        if self.config.kv_events and subscribe:
-            self.warm_until = time.monotonic() + self.config.kv_index_warmup_timeout
-            for e in self.pool.endpoints.values():
-                e.kv_events = e.kv_events or self.config.kv_events
-                self.events.watch(e)
+        subscribe = self.pipeline.reads_precise_index or self.peer_sources is not None
 
         def added(e: Endpoint) -> None:
             e.kv_events = e.kv_events or self.config.kv_events
@@ -179,6 +195,19 @@ class Router:
 
         self.pool.on_added = added
         self.pool.on_lost = self._lost
+        try:
+            await self.pool.scrape_once(self.session)
+            self.block_size.start(self.pool.endpoints.values())
+        except BaseException:
+            await self.events.stop()
+            await self.session.close()
+            raise
+        self.pool.check_block_size = self.block_size.check
+        if self.config.kv_events and subscribe:
+            self.warm_until = time.monotonic() + self.config.kv_index_warmup_timeout
+            for e in self.pool.endpoints.values():
+                e.kv_events = e.kv_events or self.config.kv_events
+                self.events.watch(e)
         await self.pool.start(self.session)
 
     async def wait_index_warm(self) -> None:
@@ -200,8 +229,8 @@ class Router:
             link.pool.close()
         self.parser.close()
 
-    async def handle(self, door: FrontDoor, request: Request) -> None:
-        await handlers.handle(self, door, request)
+    def handle(self, door: FrontDoor, request: Request) -> handlers.Work | None:
+        return handlers.handle(self, door, request)  # the front door's Handler
 
     def scheduling_request(
         self, body: bytes, path: str, headers: dict[str, str]

@@ -16,13 +16,14 @@ from urllib.parse import urlparse
 import aiohttp
 import yaml
 
-from kvmesh.protocol.prom import parse_engine_load
+from kvmesh.protocol.prom import parse_block_size, parse_engine_load
 from kvmesh.protocol.zmq_events import offset_endpoint
 from kvmesh.router.outlier import OutlierDetection, ejection_ended, forget_ejections
 
 logger = logging.getLogger(__name__)
 LOST_AFTER = 3
 MAX_BACKOFF = 2.0  # an unreachable endpoint is checked again at least this often
+START_SCRAPE_TIMEOUT = 3.0  # seconds the router's start waits for the first /metrics reads
 
 
 @dataclass(slots=True, eq=False)
@@ -48,6 +49,8 @@ class Endpoint:
     ejected_until: float = 0.0  # monotonic; out of rotation until then
     ejected: bool = False  # an ejection whose end the scrape loop has not yet seen
     times_ejected: int = 0  # the next ejection lasts base time x this, decaying while in service
+    block_size: int | None = None  # as its /metrics says (vllm:cache_config_info); None: unsaid
+    block_size_mismatch: bool = False  # not the router's block size: out of rotation
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
@@ -140,9 +143,10 @@ def rank_page(text: str, rank: int | None) -> str:
 
 class EndpointPool:
     """The live set of endpoints, kept fresh by background tasks on the router's event loop.
-    Invariant: candidates() are the healthy (reachable) endpoints not ejected at that moment;
-    a scrape never ends an ejection early, except for an endpoint that was gone LOST_AFTER
-    checks (a restarted engine starts afresh)."""
+    Invariant: candidates() are the healthy (reachable) endpoints not ejected at that moment
+    and not keyed in another block size than the router's (router.block_size judges each
+    scrape's); a scrape never ends an ejection early, except for an endpoint that was gone
+    LOST_AFTER checks (a restarted engine starts afresh)."""
 
     def __init__(
         self,
@@ -159,6 +163,7 @@ class EndpointPool:
         self.on_removed = on_removed or (lambda name: None)
         self.on_added = lambda endpoint: None
         self.on_lost = lambda name: None  # an endpoint failed LOST_AFTER checks in a row
+        self.check_block_size = lambda endpoint: None  # after each scrape that read its page
         self.metrics = None  # RouterMetrics: ejections and re-admissions are counted there
         self.discover_data_parallel = discover_data_parallel
         self.outlier = outlier or OutlierDetection()
@@ -168,7 +173,11 @@ class EndpointPool:
 
     def candidates(self) -> list[Endpoint]:
         now = time.monotonic()
-        return [e for e in self.endpoints.values() if e.healthy and e.ejected_until <= now]
+        return [
+            e
+            for e in self.endpoints.values()
+            if e.healthy and e.ejected_until <= now and not e.block_size_mismatch
+        ]
 
     def unreachable(self, e: Endpoint) -> None:
         """A connect or a scrape failed: out of rotation until a scrape succeeds; gone (what
@@ -194,6 +203,21 @@ class EndpointPool:
     def _count(self, counter: str, name: str, reason: str) -> None:
         if self.metrics is not None:
             getattr(self.metrics, counter).labels(name, reason).inc()
+
+    async def scrape_once(
+        self, session: aiohttp.ClientSession, timeout: float = START_SCRAPE_TIMEOUT
+    ) -> None:
+        """One /metrics read of every endpoint, given up after ``timeout`` seconds: the
+        router's start learns health, load, data-parallel ranks and block sizes from it."""
+        self._session = session
+        if self.endpoints_file:
+            self._reload_file()
+        servers: dict[str, list[Endpoint]] = {}
+        for e in self.endpoints.values():
+            servers.setdefault(e.url, []).append(e)
+        reads = asyncio.gather(*(self.scrape(*group) for group in servers.values()))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(reads, timeout)
 
     async def start(self, session: aiohttp.ClientSession) -> None:
         self._session = session
@@ -275,8 +299,12 @@ class EndpointPool:
                 if e.failures >= LOST_AFTER:  # it was gone: a restarted engine starts afresh
                     forget_ejections(e)
             e.mark_success()
-            e.waiting, e.running, e.kv_usage = parse_engine_load(rank_page(text, e.dp_rank))
+            page = rank_page(text, e.dp_rank)
+            e.waiting, e.running, e.kv_usage = parse_engine_load(page)
             e.last_scrape = time.monotonic()
+            # kvmesh's cache_config_info has no engine label: the whole page's then
+            e.block_size = parse_block_size(page) or parse_block_size(text)
+            self.check_block_size(e)
 
     def _split(self, servers: tuple[Endpoint, ...], ranks: list[int]) -> list[Endpoint]:
         """A server found to host several data-parallel ranks becomes one endpoint per rank."""

@@ -3,7 +3,8 @@ index, which the publisher's replay socket keeps whole: on subscribing (a new ro
 subscription started again) the buffered history is replayed; a sequence gap, or a quiet spell
 that may hide a lost last batch, is repaired from it; a publisher whose sequence began again (its
 engine restarted) has the endpoint's entries cleared, as AllBlocksCleared would, then replayed.
-Where each endpoint's publisher is: router.event_sources."""
+BlockStored events keyed in another block size than the router's never reach the index
+(router.block_size). Where each endpoint's publisher is: router.event_sources."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import aiohttp
 import zmq
 import zmq.asyncio
 
-from kvmesh.protocol.kv_events import KVEventBatch, decode_batch
+from kvmesh.protocol.kv_events import BlockStored, KVEventBatch, decode_batch
 from kvmesh.protocol.zmq_events import END_SEQ
 from kvmesh.router.endpoints import Endpoint
 from kvmesh.router.event_sources import discover
@@ -51,10 +52,12 @@ class EventIngest:
         session: aiohttp.ClientSession | None,
         metrics=None,
         check_interval: float = 2.0,
+        block_size=None,
     ) -> None:
         self.index = index
         self.session = session
         self.metrics = metrics  # RouterMetrics, or None
+        self.block_size = block_size  # router.block_size.EngineBlockSize; None: all accepted
         self.check_interval = check_interval  # quiet seconds after which the replay is checked
         self.ctx = zmq.asyncio.Context.instance()
         self.tasks: dict[str, asyncio.Task] = {}
@@ -246,7 +249,7 @@ class EventIngest:
         if isinstance(batch, bytes):
             batch = self._decode(e, batch)
         if batch is not None:
-            self.index.apply(e.name, batch)
+            self.index.apply(e.name, self._same_block_size(e, batch))
             if live:
                 self.lag_seconds = max(0.0, time.time() - batch.ts)
                 self.batches += 1
@@ -254,6 +257,21 @@ class EventIngest:
                 feed.recent[seq] = batch.ts
         if advance:
             feed.last, feed.last_ts = seq, batch.ts if batch is not None else -1.0
+
+    def _same_block_size(self, e: Endpoint, batch: KVEventBatch) -> KVEventBatch:
+        """The batch without its BlockStored events of another block size than the router's:
+        their hashes chain other blocks than the router's keys, so they could never match."""
+        judge = self.block_size
+        if judge is None:
+            return batch
+        kept = [
+            ev
+            for ev in batch.events
+            if type(ev) is not BlockStored or judge.event_ok(e.name, ev.block_size)
+        ]
+        if len(kept) == len(batch.events):
+            return batch
+        return KVEventBatch(batch.ts, kept, batch.data_parallel_rank)
 
     def _clear(self, e: Endpoint, feed: _Feed) -> None:
         """The publisher restarted: what it held before is gone (AllBlocksCleared)."""

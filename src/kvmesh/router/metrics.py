@@ -2,11 +2,41 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 _SCHED_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
+
+
+class LoopHistogram:
+    """A Prometheus histogram without labels, observed on the event loop alone (so no lock):
+    one count per bucket (the last: +Inf) and the sum, read out when the registry is
+    collected. Invariant: counts[i] is the observations in (bounds[i-1], bounds[i]]."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...], registry) -> None:
+        self.name, self.documentation = name, documentation
+        self.bounds = list(buckets)
+        self.counts = [0] * (len(buckets) + 1)
+        self.sum = 0.0
+        registry.register(self)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(self.name, self.documentation)
+        total, buckets = 0, []
+        for bound, n in zip([*self.bounds, float("inf")], self.counts, strict=True):
+            total += n
+            buckets.append((floatToGoString(bound), total))
+        family.add_metric([], buckets, self.sum)
+        yield family
 
 
 class RouterMetrics:
@@ -24,11 +54,11 @@ class RouterMetrics:
             "Retries on another endpoint before the first byte.",
             registry=r,
         )
-        self.scheduling = Histogram(
+        self.scheduling = LoopHistogram(
             "kvmesh_router_scheduling_seconds",
             "Time to tokenize and schedule one request.",
-            buckets=_SCHED_BUCKETS,
-            registry=r,
+            _SCHED_BUCKETS,
+            r,
         )
         self.predicted_cached = Counter(
             "kvmesh_router_predicted_cached_tokens",
@@ -117,6 +147,28 @@ class RouterMetrics:
             "kvmesh_router_kv_index_warm_seconds",
             "Seconds from subscribing to the endpoint's KV events (or from its loss) to warm.",
             ["endpoint"],
+            registry=r,
+        )
+
+        # the KV block size prompts are keyed with (router.block_size) and who disagrees
+        self.block_size = Gauge(
+            "kvmesh_router_block_size",
+            "The KV block size the router keys prompts with: --block-size, else learned from "
+            "the engines (vllm:cache_config_info), else 16 until one reports it.",
+            registry=r,
+        )
+        self.block_size_mismatch = Gauge(
+            "kvmesh_router_endpoint_block_size_mismatch",
+            "1 while the endpoint is out of rotation because its KV block size (its /metrics "
+            "vllm:cache_config_info) is not the router's; 0 when they agree.",
+            ["endpoint"],
+            registry=r,
+        )
+        self.kv_events_dropped = Counter(
+            "kvmesh_router_kv_events_dropped",
+            "KV events left out of the precise index, by reason: block_size (a BlockStored "
+            "keyed in another block size than the router's).",
+            ["endpoint", "reason"],
             registry=r,
         )
 

@@ -7,6 +7,7 @@ import json
 import aiohttp
 
 from kvmesh.protocol.kv_transfer import PREFILL_REQUEST_PARAMS
+from kvmesh.router import forward_load
 from kvmesh.router.endpoints import Endpoint
 from kvmesh.router.plugins import SchedulingRequest
 
@@ -34,7 +35,7 @@ async def prefill_remotely(
     if p.dp_rank is not None:
         headers["X-data-parallel-rank"] = str(p.dp_rank)
     for _ in range(router.config.prefill_max_retries + 1):
-        p.in_flight += 1
+        load = forward_load.sent(p, req, router.approximate_index)
         try:
             async with router.session.post(
                 p.url + path,
@@ -55,12 +56,11 @@ async def prefill_remotely(
         except (aiohttp.ClientError, ValueError):
             answer = None
         finally:
-            p.in_flight -= 1
+            forward_load.finished(load)  # one token, non-streaming: prefilled and done at once
         params = (answer or {}).get("kv_transfer_params")
         if params:
             p.errors = 0  # an answer in full: the outlier count starts again
             router.metrics.count(p.name, "prefill_ok")
-            router.approximate_index.record(p.name, req.block_keys)
             return json.dumps(dict(original, kv_transfer_params=params)).encode()
         router.metrics.count(p.name, "prefill_failed")
     return body

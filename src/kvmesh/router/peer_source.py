@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
+from kvmesh.protocol.hashing import DEFAULT_BLOCK_SIZE
+from kvmesh.router.plugins.state import NO_MATCH, SchedulingState
+
 if TYPE_CHECKING:
     from kvmesh.router.endpoints import Endpoint
     from kvmesh.router.index import PreciseIndex
@@ -26,7 +29,7 @@ PEER_HEADER = "x-kv-cache-source-host-port"
 @dataclass(slots=True)
 class PeerSourceConfig:
     min_cached_token_delta: int = 2048  # llm-d's minCachedTokenDelta as its P2P guide sets it
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
 
     def __post_init__(self) -> None:
         if self.min_cached_token_delta < 1:
@@ -84,16 +87,24 @@ def select_source(
     config: PeerSourceConfig,
     exclude: Collection[str] = (),
 ) -> PeerSource | None:
-    """The healthy endpoint `chosen` should pull the request's prefix from, or None. Any medium
-    counts, weighed as the precise scorer weighs it, so a lead held in lower tiers is
-    understated, never overstated. Endpoints in `exclude` (those that failed this request) and
-    other data-parallel ranks of the chosen server are not named."""
+    """The healthy endpoint `chosen` should pull the request's prefix from, or None. Reads the
+    precise match of the request's scheduling state (looked up there, over `chosen` and the
+    candidates, when the pipeline did not); any medium counts, weighed as the precise scorer
+    weighs it, so a lead held in lower tiers is understated, never overstated. Endpoints in
+    `exclude` (those that failed this request) and other data-parallel ranks of the chosen
+    server are not named."""
     if not req.block_keys:
         return None
     others = {e.name: e for e in candidates if e.name not in exclude and e.url != chosen.url}
     if not others:
         return None
-    matched = index.longest_match(req.block_keys, [chosen.name, *others])
+    state = req.state
+    if state is None:
+        state = req.state = SchedulingState.of(req)
+    if state.precise is NO_MATCH:
+        state.look_up(req.block_keys, [chosen.name, *others], precise_index=index)
+    held = state.precise  # over every candidate of the pass: narrowed to chosen and others
+    matched = {n: held[n] for n in (chosen.name, *others) if n in held}
     queue = {name: e.in_flight + int(e.waiting) for name, e in others.items()}
     name = choose_peer_source(chosen.name, matched, config, queue)
     address = source_headers(others[name].url).get(PEER_HEADER) if name else None

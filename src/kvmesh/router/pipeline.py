@@ -1,18 +1,30 @@
 """The scheduling pipeline: a profile handler runs profiles of filters, weighted scorers and a
 picker. A pure function of (request, endpoint states, indexes), shared by the HTTP router and the
-simulator."""
+simulator. Each pass starts a SchedulingState on the request and, before any filter, looks up the
+prefix matches its plugins declare they read, over every candidate endpoint."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import yaml
 
-from kvmesh.router import backlog  # noqa: F401 - registers the backlog and placement scorers
 from kvmesh.router.endpoints import Endpoint
-from kvmesh.router.plugin_params import ReadParameters
-from kvmesh.router.plugins import REGISTRY, PluginContext, SchedulingRequest, build_plugin
+from kvmesh.router.plugins import (
+    HANDLER,
+    PICKER,
+    SCORER,
+    PluginContext,
+    ProfileResult,
+    SchedulingRequest,
+    SchedulingResult,
+    SchedulingState,
+    build_plugin,
+    plugin_type,
+)
+
+__all__ = ["PRESETS", "Pipeline", "Profile", "ProfileResult", "SchedulingResult"]
 
 PRESETS: dict[str, str] = {
     "round-robin": """
@@ -104,81 +116,30 @@ class Profile:
     filters: list[Any] = field(default_factory=list)
     scorers: list[tuple[Any, float]] = field(default_factory=list)
     picker: Any = None
+    hooks: list[Any] = field(default_factory=list)  # its scorers with a `chosen` hook
 
-
-class ProfileResult(NamedTuple):
-    endpoint: Endpoint | None
-    totals: dict[str, float]
-    scores: dict[str, dict[str, float]]  # scorer name -> endpoint -> score in [0, 1]
-
-
-class SchedulingResult(NamedTuple):
-    primary: Endpoint | None  # the endpoint that answers (decode, under P/D)
-    profiles: dict[str, ProfileResult]
-    prefill: Endpoint | None = None  # set when the prompt is prefilled elsewhere first
-
-
-class SingleProfileHandler:
-    """Runs the only profile (or the one named `default`)."""
-
-    def __init__(self, profiles: dict[str, Profile]) -> None:
-        self.profile = profiles.get("default") or next(iter(profiles.values()))
-
-    def run(
-        self, pipeline: Pipeline, req: SchedulingRequest, endpoints: list[Endpoint]
-    ) -> SchedulingResult:
-        result = pipeline.run_profile(self.profile, req, endpoints)
-        return SchedulingResult(result.endpoint, {self.profile.name: result})
-
-
-class DisaggProfileHandler:
-    """llm-d's decode-first P/D: pick the decode endpoint, then run the prefill profile only
-    when the prompt tokens it lacks reach `nonCachedTokens` (0: always)."""
-
-    def __init__(self, profiles: dict[str, Profile], ctx, params: dict) -> None:
-        self.decode = profiles[params.get("decodeProfile", "decode")]
-        self.prefill = profiles.get(params.get("prefillProfile", "prefill"))
-        self.threshold = int(params.get("nonCachedTokens", 0))
-        self.ctx = ctx
-
-    def uncached_tokens(self, req: SchedulingRequest, endpoint: Endpoint) -> int:
-        if req.precise is None:
-            req.precise = self.ctx.precise_index.longest_match(req.block_keys, [endpoint.name])
-        if req.approximate is None:
-            req.approximate = self.ctx.approximate_index.longest_match(
-                req.block_keys, [endpoint.name]
-            )
-        blocks = max(req.precise.get(endpoint.name, 0), req.approximate.get(endpoint.name, 0))
-        return max(0, len(req.token_ids) - int(blocks) * req.block_size)
-
-    def run(
-        self, pipeline: Pipeline, req: SchedulingRequest, endpoints: list[Endpoint]
-    ) -> SchedulingResult:
-        d = pipeline.run_profile(self.decode, req, endpoints)
-        results = {self.decode.name: d}
-        if d.endpoint is None or self.prefill is None:
-            return SchedulingResult(d.endpoint, results)
-        if self.uncached_tokens(req, d.endpoint) < max(self.threshold, 1):
-            return SchedulingResult(d.endpoint, results)
-        p = pipeline.run_profile(self.prefill, req, [e for e in endpoints if e is not d.endpoint])
-        results[self.prefill.name] = p
-        return SchedulingResult(d.endpoint, results, p.endpoint)
-
-
-HANDLERS = {"single-profile-handler": None, "disagg-profile-handler": DisaggProfileHandler}
+    def plugins(self) -> list[Any]:
+        return [*self.filters, *(s for s, _ in self.scorers), self.picker]
 
 
 class Pipeline:
+    """Built once from an EndpointPickerConfig. Its capabilities are those its profile handler
+    and the plugins its profiles use declare: `reads_tokens` (else the router skips tokenizing),
+    `reads_precise_index` (else no KV-event subscriptions) and `reads_approximate_index`."""
+
     def __init__(self, config: dict, ctx: PluginContext) -> None:
         self.plugins: dict[str, Any] = {}
-        handler_spec: tuple[str, dict] | None = None
+        kinds: dict[str, str] = {}
+        handler: tuple[str, str, Any] = ("single-profile-handler", "single-profile-handler", None)
         for spec in config.get("plugins") or []:
             type_name = spec["type"]
             name = spec.get("name") or type_name
-            if type_name in HANDLERS:
-                handler_spec = (type_name, spec.get("parameters") or {})
+            kind = plugin_type(type_name).kind
+            if kind == HANDLER:
+                handler = (type_name, name, spec.get("parameters"))
                 continue
-            self.plugins[name] = build_plugin(type_name, name, spec.get("parameters") or {}, ctx)
+            self.plugins[name] = build_plugin(type_name, name, spec.get("parameters"), ctx)
+            kinds[name] = kind
         self.profiles: dict[str, Profile] = {}
         for spec in config.get("schedulingProfiles") or [{"name": "default", "plugins": []}]:
             profile = Profile(spec["name"])
@@ -188,24 +149,30 @@ class Pipeline:
                     raise ValueError(
                         f"profile {profile.name!r} references unknown plugin {ref['pluginRef']!r}"
                     )
-                if hasattr(plugin, "pick"):
+                kind = kinds[ref["pluginRef"]]
+                if kind == PICKER:
                     profile.picker = plugin
-                elif hasattr(plugin, "score"):
+                elif kind == SCORER:
                     profile.scorers.append((plugin, float(ref.get("weight", 1.0))))
                 else:
                     profile.filters.append(plugin)
             if profile.picker is None:  # injected default, as llm-d's
                 profile.picker = build_plugin("max-score-picker", "max-score-picker", {}, ctx)
+            profile.hooks = [s for s, _ in profile.scorers if hasattr(s, "chosen")]
             self.profiles[profile.name] = profile
-        if handler_spec and handler_spec[0] == "disagg-profile-handler":
-            try:
-                params = ReadParameters(handler_spec[1])
-                self.handler = DisaggProfileHandler(self.profiles, ctx, params)
-            except KeyError as exc:
-                raise ValueError(f"disagg-profile-handler needs a profile named {exc}") from None
-            params.refuse_unread("disagg-profile-handler")
-        else:
-            self.handler = SingleProfileHandler(self.profiles)
+        self.handler = build_plugin(*handler, self.profiles)
+        used = [self.handler, *(p for prof in self.profiles.values() for p in prof.plugins())]
+        self.reads_precise_index = any(p.reads_precise_index for p in used)
+        self.reads_approximate_index = any(p.reads_approximate_index for p in used)
+        self.reads_tokens = (
+            self.reads_precise_index
+            or self.reads_approximate_index
+            or any(p.reads_tokens for p in used)
+        )
+        # the indexes each pass looks up, before any filter (None: not read by any plugin)
+        self.precise_index = ctx.precise_index if self.reads_precise_index else None
+        self.approximate_index = ctx.approximate_index if self.reads_approximate_index else None
+        self.looks_up = self.reads_precise_index or self.reads_approximate_index
 
     @classmethod
     def from_yaml(cls, text: str, ctx: PluginContext) -> Pipeline:
@@ -220,16 +187,16 @@ class Pipeline:
             raise ValueError(f"unknown preset {name!r}; presets: {sorted(PRESETS)}")
         return cls.from_yaml(PRESETS[name], ctx)
 
-    def uses(self, type_names: tuple[str, ...]) -> bool:
-        return any(type(p).__name__ in type_names for p in self.plugins.values())
-
     def run_profile(
         self, profile: Profile, req: SchedulingRequest, endpoints: list[Endpoint]
     ) -> ProfileResult:
+        """One profile's pick, kept in the request's state under the profile's name."""
         for f in profile.filters:
             endpoints = f.filter(req, endpoints)
+        profiles = req.state.profiles
         if not endpoints:
-            return ProfileResult(None, {}, {})
+            result = profiles[profile.name] = ProfileResult(None, {}, {}, endpoints)
+            return result
         totals = dict.fromkeys((e.name for e in endpoints), 0.0)
         scores: dict[str, dict[str, float]] = {}
         for scorer, weight in profile.scorers:
@@ -238,14 +205,14 @@ class Pipeline:
             for name, v in s.items():
                 totals[name] += weight * v
         chosen = profile.picker.pick(totals, endpoints)
-        for scorer, _ in profile.scorers:
-            if hasattr(scorer, "chosen"):
-                scorer.chosen(req, chosen)
-        return ProfileResult(chosen, totals, scores)
+        for scorer in profile.hooks:
+            scorer.chosen(req, chosen)
+        result = profiles[profile.name] = ProfileResult(chosen, totals, scores, endpoints)
+        return result
 
     def schedule(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> SchedulingResult:
+        state = req.state = SchedulingState.of(req)
+        if self.looks_up and req.block_keys:
+            names = [e.name for e in endpoints]
+            state.look_up(req.block_keys, names, self.precise_index, self.approximate_index)
         return self.handler.run(self, req, endpoints)
-
-
-def known_plugin_types() -> list[str]:
-    return sorted(REGISTRY)

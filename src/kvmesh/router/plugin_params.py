@@ -1,26 +1,21 @@
-"""Plugin parameters as an EndpointPickerConfig gives them, checked for names nobody reads."""
+"""Plugin parameters as an EndpointPickerConfig gives them, checked against those the plugin
+type declares (router.plugins.registry)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
 
-class ReadParameters(dict):
-    """A plugin's parameters that remember which keys its factory asked for, so that a
-    parameter nobody reads (a misspelt `matchThreshold`, say) is refused, not ignored."""
 
-    def __init__(self, params: dict | None) -> None:
-        super().__init__(params or {})
-        self.read: set[str] = set()
-
-    def get(self, key, default=None):
-        self.read.add(key)
-        return super().get(key, default)
-
-    def __getitem__(self, key):
-        self.read.add(key)
-        return super().__getitem__(key)
-
-    def refuse_unread(self, what: str) -> None:
-        unread = sorted(set(self) - self.read)
-        if unread:
-            known = ", ".join(sorted(self.read)) or "none"
-            raise ValueError(f"{what}: unknown parameter(s) {', '.join(unread)}; known: {known}")
+def with_defaults(what: str, given: Any, declared: Mapping[str, Any]) -> dict[str, Any]:
+    """The parameters a factory reads: those given, over the declared defaults. A parameter the
+    type does not declare (a misspelt `matchThreshold`, say) is refused, not ignored."""
+    if given is None:
+        given = {}
+    if not isinstance(given, Mapping):
+        raise ValueError(f"{what}: parameters must be a mapping, got {type(given).__name__}")
+    unknown = sorted(set(given) - set(declared))
+    if unknown:
+        known = ", ".join(sorted(declared)) or "none"
+        raise ValueError(f"{what}: unknown parameter(s) {', '.join(unknown)}; known: {known}")
+    return {**declared, **given}

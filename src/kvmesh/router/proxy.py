@@ -2,13 +2,15 @@
 router.upstream_pool). An engine's answer goes back as the engine framed it (status line, headers
 less the hop-by-hop ones, Content-Length or chunked body): chunk boundaries are tracked to find
 the end of a response (router.chunked), never re-encoded. Both sides set TCP_NODELAY; a slow
-client pauses the upstream read.
+client pauses the upstream read. Everything here runs in the connections' callbacks: what an
+exchange's milestones mean (timeouts, retries, metrics) is router.forward's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import socket
 from time import monotonic
 from typing import TYPE_CHECKING
@@ -21,7 +23,18 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 MAX_HEAD = 64 * 1024
-_DROP = frozenset((b"connection", b"keep-alive", b"proxy-connection"))
+_HOP = re.compile(rb"\r\n(?:connection|keep-alive|proxy-connection)[ \t]*:[^\r]*", re.I)
+
+
+def _field(low: bytes, name: bytes) -> bytes | None:
+    """The value of the last header line ``name`` (lower case, colon included) in a lower-cased
+    head, if any."""
+    i = low.rfind(name)
+    if i < 0:
+        return None
+    i += len(name)
+    end = low.find(b"\r", i)
+    return low[i:] if end < 0 else low[i:end]
 
 
 class UpstreamError(ConnectionError):
@@ -43,47 +56,49 @@ def nodelay(transport: asyncio.BaseTransport) -> None:
 
 
 class Exchange:
-    """One request's trip to an endpoint. A 5xx answer is held back (the router tries another
-    endpoint); any other passes to the client as it comes, with ``extra`` header lines.
-    ``last``: when bytes of the answer last came (monotonic), read by the idle watch."""
+    """One request's trip to an endpoint: its answer passes to the client as it comes, with
+    ``extra`` header lines, and the head goes out with the first body bytes when they come in
+    the same read (one write). A 5xx answer is never passed on. Subclasses say what the
+    milestones mean: ``headed(status)`` once the head is in (a 5xx: its connection is closed
+    already), ``ended()`` once the answer is in full, ``failed(error)`` when the connection
+    failed before that. ``last``: when bytes of the answer last came (monotonic)."""
 
-    __slots__ = (
-        "door", "extra", "head", "done", "status", "started", "chunks", "pending", "first_body",
-        "last",
-    )  # fmt: skip
+    __slots__ = ("door", "extra", "status", "started", "chunks", "pending", "last", "bodied")
 
-    def __init__(self, door: FrontDoor, extra: bytes, first_body=None) -> None:
-        loop = asyncio.get_running_loop()
+    def __init__(self, door: FrontDoor, extra: bytes) -> None:
         self.door, self.extra = door, extra
-        self.first_body = first_body  # called once, when the first body bytes arrive
-        self.head: asyncio.Future = loop.create_future()
-        self.done: asyncio.Future = loop.create_future()
         self.status, self.started = 0, False
         self.chunks: ChunkTracker | None = None
         self.pending = b""  # the answer's head, sent with the first body bytes when they came too
         self.last = 0.0
+        self.bodied = False  # body bytes came
 
-    def on_head(self, status: int, lines: list[bytes], delimited: bool) -> bool:
+    def headed(self, status: int) -> None:
+        pass
+
+    def first_body(self) -> None:
+        """Called once, when the first bytes of the body came."""
+
+    def ended(self) -> None:
+        pass
+
+    def failed(self, error: UpstreamError) -> None:
+        pass
+
+    def on_head(self, status: int, head: bytes, delimited: bool, hop: bool = True) -> None:
+        """head: the status line and header lines, without the blank line; status < 500.
+        ``hop``: it may hold hop-by-hop header lines (dropped)."""
         self.status = status
-        if status >= 500:
-            self.head.set_result(status)
-            return False
         door = self.door
         if not delimited:  # the body ends when the engine closes: so must the client's
             door.must_close = True
-        out = [b"HTTP/1.1" + lines[0][8:]]
-        for line in lines[1:]:
-            if line[: line.find(b":")].strip().lower() not in _DROP:
-                out.append(line)
-        out.append(self.extra)
-        if door.must_close:
-            out.append(b"Connection: close")
-        out.append(b"\r\n")
+        if hop:
+            head = _HOP.sub(b"", head)
+        close = b"\r\nConnection: close" if door.must_close else b""
+        self.pending = b"HTTP/1.1%s\r\n%s%s\r\n\r\n" % (head[8:], self.extra, close)
         door.sent_head = self.started = True
-        self.pending = b"\r\n".join(out)
         self.last = monotonic()
-        self.head.set_result(status)
-        return True
+        self.headed(status)
 
     def flush(self) -> None:
         if self.pending and not self.door.closed:
@@ -91,67 +106,32 @@ class Exchange:
         self.pending = b""
 
     def on_body(self, data: bytes) -> None:
-        self.last = monotonic()
-        if self.first_body is not None:
-            call, self.first_body = self.first_body, None
-            call()
         if self.pending:
             data, self.pending = self.pending + data, b""
+        if not self.bodied:
+            self.bodied = True
+            self.first_body()
+        self.last = monotonic()
         if not self.door.closed:
             self.door.transport.write(data)
 
     def on_end(self) -> None:
         self.flush()
-        if not self.done.done():
-            self.done.set_result(None)
+        self.ended()
 
     def on_error(self, message: str, kind: type[UpstreamError] = UpstreamError) -> None:
         self.flush()
-        err = kind(message, self.started)
-        fut = self.head if not self.head.done() else self.done
-        if not fut.done():
-            fut.set_exception(err)
-
-    def on_timeout(self) -> None:
-        if not self.head.done():
-            self.head.set_exception(TimeoutError("no answer before the first-byte timeout"))
-
-
-class IdleWatch:
-    """Cuts an answer that sent no byte for ``limit`` seconds mid-way (the exchange fails with
-    StreamIdle); time the reading was paused for a slow client does not count."""
-
-    __slots__ = ("ex", "conn", "limit", "timer")
-
-    def __init__(self, ex: Exchange, conn: Upstream, limit: float) -> None:
-        self.ex, self.conn, self.limit = ex, conn, limit
-        self.timer = asyncio.get_running_loop().call_later(limit, self.check)
-
-    def check(self) -> None:
-        ex, conn = self.ex, self.conn
-        if ex.done.done():
-            return
-        quiet = monotonic() - ex.last
-        if conn.transport is not None and not conn.transport.is_reading():
-            ex.last, quiet = monotonic(), 0.0  # paused for the client: not the endpoint's fault
-        if quiet < self.limit:
-            self.timer = asyncio.get_running_loop().call_later(self.limit - quiet, self.check)
-            return
-        conn.abort()
-        ex.on_error(f"no byte for {self.limit:g} s", StreamIdle)
-
-    def cancel(self) -> None:
-        self.timer.cancel()
+        self.failed(kind(message, self.started))
 
 
 class Upstream(asyncio.Protocol):
-    """A keep-alive connection to one endpoint, serving one Exchange at a time."""
+    """A keep-alive connection to one endpoint, serving one Exchange (``sink``) at a time."""
 
     def __init__(self, pool: UpstreamPool) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None
         self.sink: Exchange | None = None
-        self.hbuf = bytearray()
+        self.hbuf = b""  # a head in progress
         self.in_head = True
         self.remaining = -1  # Content-Length left; -1: chunked or until close
         self.chunks: ChunkTracker | None = None
@@ -179,20 +159,20 @@ class Upstream(asyncio.Protocol):
             return
         self.got_bytes = True
         if self.in_head:
-            self.hbuf += data
-            while True:
-                end = self.hbuf.find(b"\r\n\r\n")
-                if end < 0:
-                    if len(self.hbuf) > MAX_HEAD:
-                        self._fail("response head too large")
-                    return
-                lines = bytes(self.hbuf[:end]).split(b"\r\n")
-                data = bytes(self.hbuf[end + 4 :])
-                self.hbuf.clear()
-                if lines[0][9:10] != b"1":
-                    break
-                self.hbuf += data  # an interim (1xx) answer: the real head follows
-            if not self._head(lines, sink):
+            if self.hbuf:
+                data, self.hbuf = self.hbuf + data, b""
+            end = data.find(b"\r\n\r\n")
+            while end >= 0 and data[9:10] == b"1":  # an interim (1xx) answer: the head follows
+                data = data[end + 4 :]
+                end = data.find(b"\r\n\r\n")
+            if end < 0:
+                if len(data) > MAX_HEAD:
+                    self._fail("response head too large")
+                else:
+                    self.hbuf = data
+                return
+            head, data = data[:end], data[end + 4 :]
+            if not self._head(head, sink):
                 return
             if self.remaining == 0:
                 self._finish()
@@ -215,23 +195,27 @@ class Upstream(asyncio.Protocol):
         else:
             sink.on_body(data)
 
-    def _head(self, lines: list[bytes], sink: Exchange) -> bool:
+    def _head(self, head: bytes, sink: Exchange) -> bool:
+        low = head.lower()
+        length = _field(low, b"\r\ncontent-length:")
+        coding = _field(low, b"\r\ntransfer-encoding:")
+        connection = _field(low, b"\r\nconnection:")
         try:
-            version, status = lines[0][:8], int(lines[0][9:12])
+            status = int(head[9:12])
+            self.remaining = int(length) if length is not None else -1
         except ValueError:
-            self._fail("malformed status line")
+            self._fail("malformed status line or Content-Length")
             return False
-        self.remaining, self.chunks = -1, None
-        self.reusable = version == b"HTTP/1.1"
-        for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            name = name.strip().lower()
-            if name == b"content-length":
-                self.remaining = int(value)
-            elif name == b"transfer-encoding" and b"chunked" in value.lower():
-                self.chunks = ChunkTracker()
-            elif name == b"connection" and b"close" in value.lower():
-                self.reusable = False
+        self.chunks = ChunkTracker() if coding is not None and b"chunked" in coding else None
+        closes = connection is not None and b"close" in connection
+        self.reusable = head[:8] == b"HTTP/1.1" and not closes
+        self.in_head = False
+        if status >= 500:  # held back, unread: the router tries another endpoint
+            self.reusable, self.sink = False, None
+            self.transport.close()
+            sink.status = status
+            sink.headed(status)
+            return False
         if status in (204, 304):
             self.remaining = 0
         delimited = self.remaining >= 0 or self.chunks is not None
@@ -240,12 +224,8 @@ class Upstream(asyncio.Protocol):
         if self.chunks is not None:
             self.remaining = -1
             sink.chunks = self.chunks
-        self.in_head = False
-        if not sink.on_head(status, lines, delimited):
-            self.reusable = False
-            self.sink = None
-            self.transport.close()
-            return False
+        hop = connection is not None or b"keep-alive" in low  # hop-by-hop lines to drop
+        sink.on_head(status, head, delimited, hop)
         return True
 
     def _finish(self) -> None:

@@ -1,18 +1,33 @@
 """OpenAI request bodies to SchedulingRequests: the prompt's token ids and block keys, with a
 large prompt tokenized on a thread so that answers in flight keep streaming meanwhile, and a
-request's own chat template refused unless trusted (--trust-request-chat-template)."""
+request's own chat template refused unless trusted (--trust-request-chat-template).
+
+The prompt is protocol.prompt's, as the engine makes it: the same fields decoded from the same
+bytes, the same checks in the same order (a bad request gets the engine's 400, in its words),
+the same rendering; only the encoding is the router's own cached one, equal to the tokenizer's.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import random
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
-
-import msgspec
+from typing import TYPE_CHECKING
 
 from kvmesh.protocol.chat_template import request_template
-from kvmesh.protocol.openai import decode_request
+from kvmesh.protocol.conversation import NonTextContent
+from kvmesh.protocol.prompt import (
+    ChatFields,
+    ChatPrompt,
+    CompletionFields,
+    CompletionPrompt,
+    chat_prompt,
+    chat_text,
+    completion_prompt,
+    decode_chat,
+    decode_completion,
+    prompt_token_ids,
+)
 from kvmesh.router.plugins import SchedulingRequest
 
 if TYPE_CHECKING:
@@ -21,19 +36,6 @@ if TYPE_CHECKING:
 
 _ids = random.Random()  # request ids: seeded from the OS once, no system call per request
 OFF_LOOP_BYTES = 64 * 1024  # bodies this large are tokenized on a thread, off the event loop
-
-
-class ChatFields(msgspec.Struct):
-    model: str | None = None
-    prompt: Any = None
-    messages: list[dict] | None = None
-    tools: list[dict] | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template: Any = None  # Any: refused untrusted before its type is looked at
-    chat_template_kwargs: dict | None = None
-    add_special_tokens: bool = True
-    cache_salt: str | None = None
 
 
 class RequestParser:
@@ -49,6 +51,12 @@ class RequestParser:
         self._tokenizer_free.set()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-tokenize")
 
+    def set_block_size(self, block_size: int) -> None:
+        """Requests are keyed and sized in ``block_size``-token blocks from now on. A request
+        being keyed on the tokenizer thread meanwhile may keep the old size: one request."""
+        self.tokens.set_block_size(block_size)
+        self.block_size = block_size
+
     def close(self) -> None:
         self._thread.shutdown(wait=False)
 
@@ -58,18 +66,18 @@ class RequestParser:
         own chat template rendered on a thread of its own within its budget. One thread at a
         time holds the tokenizer and its caches: requests that need it wait, requests in flight
         keep streaming."""
-        fields, chat, template = self.fields(request.body, request.path)
-        if not self.tokenize:
-            return self.build(fields, chat, None, request.headers)
+        fields, prompt = self.fields(request.body, request.path)
+        if prompt is None:
+            return self.build(fields, None, None, request.headers)
         text = None
-        if template is not None:
-            text = await asyncio.to_thread(self.render, fields, template)
+        if isinstance(prompt, ChatPrompt) and prompt.template is not None:
+            text = await asyncio.to_thread(chat_text, self.tokens.tokenizer, prompt)
         while not self._tokenizer_free.is_set():
             await self._tokenizer_free.wait()
         if max(len(request.body), len(text or "")) < OFF_LOOP_BYTES:
-            return self.build(fields, chat, text, request.headers)
+            return self.build(fields, prompt, text, request.headers)
         loop = asyncio.get_running_loop()
-        work = loop.run_in_executor(self._thread, self.build, fields, chat, text, request.headers)
+        work = loop.run_in_executor(self._thread, self.build, fields, prompt, text, request.headers)
         self._tokenizer_free.clear()
 
         def released(f: asyncio.Future) -> None:
@@ -84,57 +92,47 @@ class RequestParser:
         self, body: bytes, path: str, headers: dict[str, str]
     ) -> SchedulingRequest:
         """Headers with lower-case names, as the front door gives them."""
-        fields, chat, template = self.fields(body, path)
+        fields, prompt = self.fields(body, path)
         text = None
-        if template is not None and self.tokenize:
-            text = self.render(fields, template)
-        return self.build(fields, chat, text, headers)
+        if isinstance(prompt, ChatPrompt) and prompt.template is not None:
+            text = chat_text(self.tokens.tokenizer, prompt)
+        return self.build(fields, prompt, text, headers)
 
-    def fields(self, body: bytes, path: str) -> tuple[ChatFields, bool, str | None]:
-        """The body's fields (protocol.openai's size and depth limits: APIError), whether it is
-        a chat, and the chat's own template (refused unless the router trusts them)."""
-        fields = decode_request(body, ChatFields)
-        chat = path.endswith("/chat/completions")
-        if not chat:
-            return fields, False, None
-        if not fields.messages:
-            raise ValueError("messages must be a non-empty list")
+    def fields(
+        self, body: bytes, path: str
+    ) -> tuple[ChatFields | CompletionFields, ChatPrompt | CompletionPrompt | None]:
+        """The body's prompt fields and, when token ids are wanted, its prompt, checked
+        (PromptError: the engine's 400). A chat's own template is refused unless the router
+        trusts them; a chat with non-text content gets no prompt (no keys): its engine (a
+        multimodal vLLM, say) decides what it is."""
+        if not path.endswith("/chat/completions"):
+            completion = decode_completion(body)
+            return completion, completion_prompt(completion) if self.tokenize else None
+        fields = decode_chat(body)
         trusted = self.trust_request_chat_template
         template = request_template(fields.chat_template, fields.chat_template_kwargs, trusted)
-        return fields, True, template
-
-    def render(self, fields: ChatFields, template: str | None) -> str:
-        """The chat's prompt text (any thread: no tokenizer cache is touched)."""
-        return self.tokens.render_chat(
-            fields.messages or [],
-            fields.tools,
-            fields.add_generation_prompt,
-            fields.continue_final_message,
-            template,
-            fields.chat_template_kwargs,
-        )
+        if not self.tokenize:
+            return fields, None
+        try:
+            return fields, chat_prompt(fields, self.tokens.tokenizer, template)
+        except NonTextContent:
+            return fields, None
 
     def build(
-        self, fields: ChatFields, chat: bool, text: str | None, headers: dict[str, str]
+        self,
+        fields: ChatFields | CompletionFields,
+        prompt: ChatPrompt | CompletionPrompt | None,
+        text: str | None,
+        headers: dict[str, str],
     ) -> SchedulingRequest:
-        """Token ids (when the pipeline reads them) and block keys; ``text``: the chat already
+        """Token ids of the (first) prompt and their block keys; ``text``: the chat already
         rendered (else rendered here)."""
         ids: list[int] = []
-        if chat:
-            if self.tokenize:
-                text = self.render(fields, None) if text is None else text
-                ids = self.tokens.encode_text(text)
-        else:
-            p = fields.prompt
-            if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-                p = p[0]  # a batch: route by its first prompt
-            if isinstance(p, str):
-                if self.tokenize:
-                    ids = self.tokens.encode_completion(p, fields.add_special_tokens)
-            elif isinstance(p, list) and all(isinstance(t, int) for t in p):
-                ids = list(p)
-            else:
-                raise ValueError("prompt must be a string or a list of token ids")
+        encode = self.tokens.encode_completion
+        if isinstance(prompt, ChatPrompt) and text is not None:
+            ids = encode(text, prompt.add_special_tokens)
+        elif prompt is not None:
+            ids = prompt_token_ids(self.tokens.tokenizer, prompt, encode, first_only=True)[0]
         rid = headers.get("x-request-id") or f"{_ids.getrandbits(128):032x}"
-        keys = self.tokens.block_keys(ids, cache_salt=fields.cache_salt) if self.tokenize else []
+        keys = self.tokens.block_keys(ids, cache_salt=fields.cache_salt) if ids else []
         return SchedulingRequest(rid, fields.model, ids, keys, headers, self.block_size)

@@ -1,5 +1,6 @@
 """Prompt tokenization for routing, cached for growing (agentic) prompts; the prompt's block
-hashes come from router.block_keys, cached too.
+hashes come from router.block_keys, cached too. What text a request's prompt is (its chat
+rendering, its checks) is protocol.prompt's, shared with the engine; this module only encodes.
 
 An agent's next prompt is usually its last prompt plus more text. Each encoded text is kept as a
 *run*: its ids and *cuts*, token boundaries that fall on character boundaries. Runs are found
@@ -26,10 +27,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvmesh.protocol.chat_template import render_chat, template_message
+from kvmesh.protocol.hashing import DEFAULT_BLOCK_SIZE
+from kvmesh.protocol.tokenizer import fast_backend, offsets_work, special_affixes
 from kvmesh.router.block_keys import BlockKeyCache, BlockKeyStats
 from kvmesh.router.fastbpe import FastBPE
-from kvmesh.router.tokenizer_probes import fast_backend, offsets_work, special_affixes
 
 _COARSE = 16  # fine chunks per coarse chunk
 
@@ -74,7 +75,7 @@ class PromptTokenizer:
     def __init__(
         self,
         tokenizer: Any,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         hash_algo: str = "sha256",
         cache_entries: int = 4096,
         *,
@@ -118,7 +119,9 @@ class PromptTokenizer:
 
     # ---- public API -----------------------------------------------------------------------
     def encode_completion(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        """Exactly ``tokenizer.encode(prompt, add_special_tokens=add_special_tokens)``."""
+        """Exactly ``tokenizer.encode(prompt, add_special_tokens=add_special_tokens)``: the
+        router's encoder of every prompt text, a completion's or a rendered chat's
+        (protocol.prompt makes the text)."""
         if not add_special_tokens:
             return self._encode_raw(prompt)
         if self._specials is None:
@@ -127,53 +130,21 @@ class PromptTokenizer:
         pre, post = self._specials
         return pre + self._encode_raw(prompt) + post
 
-    def encode_chat(
-        self,
-        messages: list[dict],
-        tools: list[dict] | None = None,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        **template_kwargs: Any,
-    ) -> list[int]:
-        """The chat rendered to text (``render_chat``), then encoded without special tokens (as
-        vLLM and the kvmesh engine do)."""
-        text = self.render_chat(
-            messages, tools, add_generation_prompt, continue_final_message, None, template_kwargs
-        )
-        return self._encode_raw(text)
-
-    def render_chat(
-        self,
-        messages: list[dict],
-        tools: list[dict] | None = None,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        template: str | None = None,
-        template_kwargs: dict | None = None,
-    ) -> str:
-        """The chat's prompt text as the engine renders it (protocol.chat_template): keys whose
-        value is None dropped, text-only content parts joined. Touches no cache: any thread
-        may call it while another encodes."""
-        msgs = [template_message(m) if isinstance(m, dict) else m for m in messages]
-        return render_chat(
-            self.tokenizer,
-            msgs,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            template=template,
-            template_kwargs=template_kwargs,
-        )
-
-    def encode_text(self, text: str) -> list[int]:
-        """A rendered prompt's ids: ``tokenizer.encode(text, add_special_tokens=False)``."""
-        return self._encode_raw(text)
-
     def block_keys(
         self, token_ids: Sequence[int], cache_salt: str | None = None, lora_name: str | None = None
     ) -> list[int]:
         """The engine's block hashes of the full blocks, as KV-event ints."""
         return self._keys.block_keys(token_ids, cache_salt, lora_name)
+
+    def set_block_size(self, block_size: int) -> None:
+        """Block keys are made of ``block_size``-token blocks from now on (the engines' size,
+        learned by the router): the block-key cache starts anew."""
+        if block_size != self.block_size:
+            old = self._keys
+            self._keys = BlockKeyCache(
+                block_size, old.hasher.algo, old.capacity_blocks, old.hash_span, self.stats
+            )
+            self.block_size = block_size
 
     def cache_info(self) -> dict[str, int]:
         return {"runs": len(self._runs), "tokens": self._tokens, "hash_blocks": self._keys.blocks}

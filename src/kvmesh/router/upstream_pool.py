@@ -1,14 +1,16 @@
 """How the router reaches each endpoint: a pool of idle keep-alive connections (router.proxy's
-Upstream) and the header lines every request to it carries."""
+Upstream), the header lines every request to it carries, and the watchdog of the requests in
+flight to it (router.forward)."""
 
 from __future__ import annotations
 
 import asyncio
 import ssl as _ssl
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
+from kvmesh.router.forward import Watchdog
 from kvmesh.router.proxy import Upstream
 
 if TYPE_CHECKING:
@@ -56,12 +58,14 @@ class UpstreamPool:
 
 @dataclass(slots=True)
 class Link:
-    """How the router talks to one endpoint: its keep-alive pool and the header lines it adds."""
+    """How the router talks to one endpoint: its keep-alive pool, the header lines it adds and
+    the watchdog of the forwards in flight."""
 
     url: str
     pool: UpstreamPool
     tag: bytes  # response header naming the endpoint
     headers: str  # request header lines for this endpoint (Host, data-parallel rank)
+    watchdog: Watchdog = field(default_factory=Watchdog)
 
     @classmethod
     def of(cls, e: Endpoint) -> Link:

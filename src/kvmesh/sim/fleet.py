@@ -5,8 +5,9 @@ tiers, KV events) around an EmulatedRunner, stepped on a virtual clock instead o
 loop: a step that the roofline model says lasts 12 ms ends 12 virtual ms after it began, and
 nothing waits for it. The router is the real scheduling pipeline over `Endpoint` states kept
 as the HTTP router keeps them: queue gauges from a scrape every `scrape_interval`, in-flight
-counts and prefill backlog from its own forwards, the precise index from the engines' KV events
-(delivered when the step that made them ends) and the approximate index from its decisions.
+counts, prefill backlog and the approximate index from the forward bookkeeping the HTTP router
+calls too (router.forward_load), and the precise index from the engines' KV events (delivered when
+the step that made them ends).
 
 No HTTP, no sockets, no sleeping: a trace of an hour on four engines replays in minutes, so a
 policy can be tuned against a whole trace before a fleet run confirms it.
@@ -27,7 +28,7 @@ from kvmesh.engine.emulation.builder import EmulationConfig, build_emulated_engi
 from kvmesh.engine.sequence import Request as EngineRequest
 from kvmesh.engine.sequence import SamplingParams
 from kvmesh.protocol.kv_events import KVEventBatch
-from kvmesh.router.backlog import fill_matches, uncached_tokens
+from kvmesh.router import forward_load
 from kvmesh.router.block_keys import BlockKeyCache
 from kvmesh.router.endpoints import Endpoint
 from kvmesh.router.index import ApproximateIndex, PreciseIndex
@@ -138,7 +139,7 @@ class FleetSim:
         self._heap: list = []
         self._seq = itertools.count()
         self.records: dict[str, SimRecord] = {}
-        self._charges: dict[str, tuple[int, int, int]] = {}  # rid -> (tokens, prefill, engine)
+        self._loads: dict[str, forward_load.Load] = {}  # rid -> its forward's load, until finished
         self._deps_left: dict[int, int] = {}  # rid -> its deps not finished yet
         self._dependents: dict[int, list[SimRequest]] = defaultdict(list)
 
@@ -188,20 +189,23 @@ class FleetSim:
         chosen = result.primary or self.engines[0].endpoint
         i = next(k for k, e in enumerate(self.engines) if e.endpoint is chosen)
         e = self.engines[i]
-        # the HTTP router's bookkeeping of a forward (router.handlers._forward)
-        fill_matches(req, endpoints, self.state.precise_index, self.state.approximate_index)
-        prefill = uncached_tokens(req, chosen.name)
+        # measured before the forward records its own decision, over both indexes whatever
+        # the policy reads, on a copy: the forward's bookkeeping reads the pass's state, as
+        # the HTTP router's does
+        known = replace(req.state, profiles={})
+        names = [ep.name for ep in endpoints]
+        known.look_up(req.block_keys, names, self.state.precise_index, self.state.approximate_index)
         n = len(token_ids)
-        best = max((n - uncached_tokens(req, ep.name) for ep in endpoints), default=0)
-        chosen.in_flight += 1
-        chosen.in_flight_tokens += len(token_ids)
-        chosen.pending_prefill_tokens += prefill
-        self._charges[req.request_id] = (len(token_ids), prefill, i)
-        if req.block_keys:
-            self.state.approximate_index.record(chosen.name, req.block_keys)
+        best = max(n - known.uncached_tokens(name) for name in names)
         self.records[req.request_id] = SimRecord(
-            r.rid, i, self.now, n, best_known_tokens=best, chosen_known_tokens=n - prefill
+            r.rid,
+            i,
+            self.now,
+            n,
+            best_known_tokens=best,
+            chosen_known_tokens=n - known.uncached_tokens(chosen.name),
         )
+        self._loads[req.request_id] = forward_load.sent(chosen, req, self.state.approximate_index)
         sampling = SamplingParams(max_tokens=r.max_tokens, ignore_eos=True)
         e.core.add_request(EngineRequest(req.request_id, token_ids, sampling))
         if not e.busy:
@@ -233,17 +237,14 @@ class FleetSim:
         finished = 0
         for out in outputs:
             rec = self.records[out.request_id]
-            tokens, prefill, _ = self._charges[out.request_id]
             if rec.first_token is None:
                 rec.first_token = self.now
                 rec.cached_tokens = max(0, out.num_cached_tokens)
-                e.endpoint.pending_prefill_tokens -= prefill
+                forward_load.prefilled(self._loads[out.request_id])
             rec.output_tokens = out.num_output_tokens
             if out.finished:
                 rec.finished = self.now
-                e.endpoint.in_flight -= 1
-                e.endpoint.in_flight_tokens -= tokens
-                del self._charges[out.request_id]
+                forward_load.finished(self._loads.pop(out.request_id))
                 finished += 1
                 for nxt in self._dependents.pop(rec.rid, ()):
                     self._deps_left[nxt.rid] -= 1

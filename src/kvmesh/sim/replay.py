@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from kvmesh.bench.cli_args import DEFAULT_TRACE, add_workload_params, build_workload
+from kvmesh.protocol.stats import percentile
 from kvmesh.sim.fleet import FleetSim, FleetSimConfig, SimRecord
 from kvmesh.sim.requests import (  # noqa: F401 - trace_requests is this module's API too
     hit_ceiling,
@@ -29,13 +30,6 @@ from kvmesh.sim.requests import (  # noqa: F401 - trace_requests is this module'
     trace_requests,
     workload_requests,
 )
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q / 100 * len(s)))]
 
 
 def summarize(records: list[SimRecord], engines: int) -> dict:
@@ -51,7 +45,7 @@ def summarize(records: list[SimRecord], engines: int) -> dict:
         "requests": len(records),
         "unfinished": sum(r.finished is None for r in records),
         "hit_rate": round(sum(r.cached_tokens for r in done) / prompt, 4) if prompt else 0.0,
-        **{f"ttft_ms_p{q}": round(pct(ttft, q), 1) for q in (50, 90, 99)},
+        **{f"ttft_ms_p{q}": round(percentile(ttft, q), 1) for q in (50, 90, 99)},
         "ttft_ms_mean": round(sum(ttft) / len(ttft), 1) if ttft else 0.0,
         "output_tok_s": round(sum(r.output_tokens for r in records) / span, 1) if span else 0.0,
         # prompt share the router knew was cached elsewhere than where it sent the request

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kvmesh.engine.models.llama import ARCHITECTURES, LlamaForCausalLM, ModelConfig
-from kvmesh.engine.tokenizer import (
+from kvmesh.protocol.tokenizer import (
     DEFAULT_MODEL_NAME,
     default_gguf_path,
     load_gguf_tokenizer,

@@ -1,0 +1,156 @@
+"""Requests read off a client connection by llhttp (httptools), strictly: a head within
+MAX_HEAD bytes and MAX_HEADERS lines, a Content-Length or chunked body within the size limit,
+no second Content-Length or Host, no upgrade; what breaks a rule is the error to answer."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+import httptools
+
+from kvmesh.router.proxy import MAX_HEAD
+
+logger = logging.getLogger(__name__)
+MAX_HEADERS = 100  # header (and trailer) lines per request
+_UNIQUE = frozenset(("content-length", "host"))  # a second one is a smuggling attempt
+
+
+@dataclass(slots=True)
+class Request:
+    method: str
+    target: str  # as sent: path and query (llhttp admits no CR, LF, NUL or space in it)
+    path: str
+    headers: dict[str, str]  # lower-case names; repeated headers joined with ", "
+    body: bytes
+    keep_alive: bool
+
+
+class _Reject(Exception):
+    """Raised in a parser callback; httptools hands it back as the parse error's context."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+class RequestReader:
+    """The reading half of a front door (router.frontdoor). Invariants: ``queue`` holds the
+    requests read in full, and an error to answer, (status, message), is its last item; once
+    ``stopped`` no byte is parsed again. ``timer``: the deadline of the message in progress
+    (the front door sets it), cancelled once the message is in or failed."""
+
+    def __init__(self, max_body: int) -> None:
+        self.max_body = max_body
+        self.parser = httptools.HttpRequestParser(self)
+        self.queue: deque[Request | tuple[int, str]] = deque()
+        self.stopped = False  # an error or the last request was read
+        self.timer: asyncio.TimerHandle | None = None  # the deadline of the message in progress
+        # the message in progress (on_message_begin resets it)
+        self._in_message = self._in_head = self._expect = False
+        self._url = b""
+        self._headers: dict[str, str] = {}
+        self._body: list[bytes] = []
+        self._body_size = self._head_size = self._head_reads = self._lines = 0
+
+    def feed(self, data: bytes) -> None:
+        """Parse data: requests read in full go to ``queue``, an error found to ``_fail``."""
+        # a head's size: its parts as llhttp reports them (a header once it ends), and whole
+        # reads that start inside it (an unfinished line in memory counts before it ends)
+        if self._in_head:
+            self._head_reads += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            error = exc.__context__  # what the callback raised
+            if isinstance(error, _Reject):
+                self._fail(error.status, error.message)
+            else:
+                logger.error("front door callback failed", exc_info=error)
+                self._fail(500, "Internal router error.")
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            if not self.stopped:  # else: bytes after the last request, dropped
+                self._fail(400, f"Malformed HTTP request: {exc}.")
+        if not self.stopped and self._in_head and self._head_reads > MAX_HEAD:
+            self._fail(431, "Request header fields too large.")
+
+    # ---- httptools callbacks: they run inside feed_data ---------------------------------------
+    def on_message_begin(self) -> None:
+        self._in_message = self._in_head = True
+        self._expect = False
+        self._url, self._headers, self._body = b"", {}, []
+        self._body_size = self._head_size = self._head_reads = self._lines = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        self._head_size += len(url)
+        if self._head_size > MAX_HEAD:
+            raise _Reject(431, "Request target too long.")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        size = self._head_size = self._head_size + len(name) + len(value) + 4
+        lines = self._lines = self._lines + 1
+        if size > MAX_HEAD or lines > MAX_HEADERS:
+            raise _Reject(431, "Request header fields too large.")
+        if not self._in_head:
+            return  # a chunked body's trailer: never a request header
+        key = name.decode("latin-1").lower()
+        text = value.decode("latin-1").rstrip(" \t")  # llhttp skipped the leading blanks
+        headers = self._headers
+        known = headers.get(key)
+        if known is None:
+            headers[key] = text
+        elif key in _UNIQUE:
+            raise _Reject(400, f"More than one {key} header.")
+        else:
+            headers[key] = f"{known}, {text}"
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        parser, headers = self.parser, self._headers
+        if parser.should_upgrade():
+            raise _Reject(400, "Protocol upgrades and CONNECT are not supported.")
+        if parser.get_http_version() not in ("1.1", "1.0"):
+            raise _Reject(400, "Unsupported HTTP version.")
+        coding = headers.get("transfer-encoding")
+        if coding is not None and coding.lower() != "chunked":
+            raise _Reject(400, "Unsupported Transfer-Encoding: only chunked is accepted.")
+        length = headers.get("content-length")
+        if length is not None and int(length) > self.max_body:  # llhttp checked the digits
+            raise _Reject(413, f"Request body larger than {self.max_body} bytes.")
+        self._expect = headers.get("expect", "").lower() == "100-continue"
+
+    def on_body(self, body: bytes) -> None:
+        self._body_size += len(body)
+        if self._body_size > self.max_body:
+            raise _Reject(413, f"Request body larger than {self.max_body} bytes.")
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        parser = self.parser
+        keep = parser.should_keep_alive()
+        target = self._url.decode("latin-1")
+        body = b"".join(self._body)
+        method = parser.get_method().decode("ascii")
+        self.queue.append(
+            Request(method, target, target.partition("?")[0], self._headers, body, keep)
+        )
+        self._in_message = self._expect = False
+        if self.timer is not None:
+            self._cancel_timer()
+        if not keep:
+            self.stopped = True  # llhttp reads nothing after a closing request
+
+    def _fail(self, status: int, message: str) -> None:
+        """Stop reading; answer status after the requests already queued, then close."""
+        self.stopped = True
+        self._in_message = self._in_head = self._expect = False
+        self._cancel_timer()
+        self.queue.append((status, message))
+
+    def _cancel_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
