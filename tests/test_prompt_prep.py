@@ -254,3 +254,30 @@ def test_documents_kwargs_and_bare_string_parts_reach_the_template(tokenizer, st
     assert chat_text(tokenizer, chat) == "(T1)(T2)hey[a\nb]"
     image = BAD_CHATS[-1]
     assert stack[2].scheduling_request(json.dumps(image).encode(), CHAT, {}).token_ids == []
+
+
+def test_a_repeated_prompt_is_keyed_from_the_whole_prompt_cache(tokenizer):
+    """The same text again (a completion's, or a chat's rendering) takes its ids and keys from
+    the cache; a prompt of token ids is keyed as the same ids given as text."""
+    parser = RequestParser(PromptTokenizer(tokenizer), True, 16)
+    try:
+        text = "Summarise the design of a router that keeps prefixes where they are cached. " * 3
+
+        def routed(path: str, body: dict):
+            return parser.scheduling_request(json.dumps(body).encode(), path, {})
+
+        first = routed("/v1/completions", {"prompt": text, "max_tokens": 1})
+        hits = parser.tokens.stats.whole_hits
+        again = routed("/v1/completions", {"prompt": text, "max_tokens": 7, "seed": 3})
+        assert parser.tokens.stats.whole_hits == hits + 1
+        assert (again.token_ids, again.block_keys) == (first.token_ids, first.block_keys)
+        assert first.token_ids == tokenizer.encode(text) and len(first.block_keys) >= 2
+        given = routed("/v1/completions", {"prompt": first.token_ids})
+        assert given.block_keys == first.block_keys
+        salted = routed("/v1/completions", {"prompt": text, "cache_salt": "tenant-a"})
+        assert salted.token_ids == first.token_ids and salted.block_keys != first.block_keys
+        chat = {"messages": [{"role": "user", "content": text}]}
+        one, two = routed(CHAT, chat), routed(CHAT, chat)
+        assert two.block_keys == one.block_keys and parser.tokens.stats.whole_hits == hits + 2
+    finally:
+        parser.close()

@@ -162,3 +162,16 @@ def test_peer_source_reads_the_pass_state_and_names_only_other_servers():
     source = select_source(precise, [chosen, sibling, b], chosen, req, PeerSourceConfig(64))
     assert source is not None and source.endpoint is b and source.lead_tokens == 192
     assert len(precise.calls) == 1
+
+
+def test_what_endpoints_hold_is_derived_again_when_a_match_is_replaced():
+    state = SchedulingState(64, 16, 4, {"d1": 3.8, "d2": 1.0}, {"d2": 2, "p1": 1})
+    assert state.blocks_cached("d1") == 3.8 and state.blocks_cached("d2") == 2
+    assert state.best_blocks() == 3.8 and state.uncached_tokens("p1") == 48
+    assert state.blocks_cached("p2") == 0.0 and state.uncached_tokens("p2") == 64
+    state.precise = {"p2": 4.0}  # a later reader filled it anew
+    assert state.best_blocks() == 4.0 and state.uncached_tokens("p2") == 0
+    assert state.blocks_cached("d1") == 0.0 and state.blocks_cached("d2") == 2
+    empty = SchedulingState(64, 16, 4, NO_MATCH, NO_MATCH)
+    assert empty.best_blocks() == 0 and empty.best_fraction() == 0.0
+    assert empty.uncached_tokens("d1") == 64

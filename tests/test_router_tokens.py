@@ -287,3 +287,35 @@ def test_fast_bpe_refuses_other_tokenizer_layouts(tok):
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     assert FastBPE.probe(backend) is None
     assert FastBPE.probe(Tokenizer(models.WordLevel({"a": 0}, unk_token="a"))) is None
+
+
+def test_a_prompt_seen_whole_is_answered_from_the_whole_prompt_cache(tok):
+    pt = PromptTokenizer(tok, whole_entries=2)
+    text = "a prompt long enough to fill several blocks of sixteen tokens each, " * 4
+    ids, keys = pt.ids_and_keys(text, False)
+    assert ids == tok.encode(text, add_special_tokens=False) and keys == ref_keys(ids)
+    encodes, hashed = pt.stats.encodes, pt.stats.blocks_hashed
+    again = pt.ids_and_keys(text, False)
+    assert again == (ids, keys) and pt.stats.whole_hits == 1
+    assert (pt.stats.encodes, pt.stats.blocks_hashed) == (encodes, hashed)  # nothing computed
+    # the salt and the special tokens are part of the key
+    salted = pt.ids_and_keys(text, False, "s1")
+    assert salted[1] == ref_keys(ids, cache_salt="s1") and pt.stats.whole_hits == 1
+    assert pt.ids_and_keys(text, True)[0] == tok.encode(text, add_special_tokens=True)
+    assert pt.cache_info()["whole_prompts"] == 2  # at most whole_entries, oldest dropped
+    pt.ids_and_keys(text, False)
+    assert pt.stats.whole_hits == 1  # (text, False, None) was the oldest: dropped
+    pt.set_block_size(32)  # keys of another block size: the cache starts anew
+    assert pt.cache_info()["whole_prompts"] == 0
+    assert pt.ids_and_keys(text, False)[1] == ref_keys(ids, block_size=32)
+
+
+def test_the_whole_prompt_cache_keeps_at_most_its_token_budget(tok):
+    pt = PromptTokenizer(tok, whole_tokens=40)
+    pt.ids_and_keys("word " * 100, False)  # more than the whole budget: not kept
+    assert pt.cache_info()["whole_prompts"] == 0
+    for i in range(6):
+        pt.ids_and_keys(f"prompt {i}: " + "word " * 12, False)
+        held = [len(ids) for ids, _ in pt._whole.values()]
+        assert sum(held) == pt._whole_held <= 40
+    assert pt.cache_info()["whole_prompts"] == 2  # about 15 tokens each: the newest two

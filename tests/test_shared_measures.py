@@ -251,3 +251,30 @@ def test_engine_load_reads_gauges_with_a_timestamp() -> None:
     )
     assert parse_engine_load(page) == (5.0, 4.0, 0.5)
     assert parse_engine_load(_page()).waiting == math.inf
+
+
+def test_engine_load_reads_only_its_gauges_as_the_full_parse_would() -> None:
+    """The scan for the load gauges' lines gives what parse_samples over the page gives."""
+    lines = [
+        "# HELP vllm:num_requests_waiting Requests waiting. vllm:num_requests_running 9",
+        "# TYPE vllm:num_requests_waiting gauge",
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0',
+        'vllm:num_requests_waiting_by_reason{reason="capacity"} 7.0',  # a longer name
+        'xvllm:num_requests_running{engine="0"} 8.0',  # ends with a wanted name
+        '  vllm:num_requests_waiting{engine="1"} 3.0 1700000000000',  # blanks, a timestamp
+        "vllm:num_requests_running nope",  # does not parse: skipped
+        'vllm:num_requests_running{engine="1"} 4.0',
+        'vllm:kv_cache_usage_perc{engine="0"} 0.25',
+        'vllm:kv_cache_usage_perc{engine="1"} 0.75',
+        'vllm:gpu_cache_usage_perc{engine="0"} 0.9',  # the older name: read only when alone
+    ]
+    for sep in ("\n", "\r\n"):
+        page = sep.join(lines) + sep
+        assert parse_engine_load(page) == (5.0, 4.0, 0.5)
+        full = {}
+        for s in parse_samples(page):
+            full.setdefault(s.name, []).append(s.value)
+        assert parse_engine_load(page).waiting == sum(full["vllm:num_requests_waiting"])
+    older = "\n".join(line for line in lines if "kv_cache" not in line)
+    assert parse_engine_load(older).kv_usage == 0.9
+    assert parse_engine_load("") == (0.0, 0.0, 0.0)

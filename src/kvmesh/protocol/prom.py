@@ -13,7 +13,6 @@ from typing import NamedTuple
 WAITING = ("vllm:num_requests_waiting",)
 RUNNING = ("vllm:num_requests_running",)
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
-_LOAD_NAMES = frozenset(WAITING + RUNNING + KV_USAGE)
 
 
 class EngineLoad(NamedTuple):
@@ -23,21 +22,39 @@ class EngineLoad(NamedTuple):
 
 
 def parse_engine_load(text: str) -> EngineLoad:
-    """Sum queue gauges and average KV usage over every `engine` series on the page."""
-    found: dict[str, list[float]] = {}
-    for sample in parse_samples(text, _LOAD_NAMES.__contains__):
-        found.setdefault(sample.name, []).append(sample.value)
-
-    def first(names: tuple[str, ...]) -> list[float]:
-        for n in names:
-            if n in found:
-                return found[n]
-        return []
-
-    usage = first(KV_USAGE)
+    """Sum queue gauges and average KV usage over every `engine` series on the page. Reads only
+    the lines that start with a wanted name (found with str.find), the samples parse_samples
+    would give for that name, in page order."""
+    usage = _first_values(text, KV_USAGE)
     return EngineLoad(
-        sum(first(WAITING)), sum(first(RUNNING)), sum(usage) / len(usage) if usage else 0.0
+        sum(_first_values(text, WAITING)),
+        sum(_first_values(text, RUNNING)),
+        sum(usage) / len(usage) if usage else 0.0,
     )
+
+
+def _first_values(text: str, names: tuple[str, ...]) -> list[float]:
+    """The sample values of the first of `names` the page has samples of."""
+    for name in names:
+        values = [s.value for s in _samples_named(text, name)]
+        if values:
+            return values
+    return []
+
+
+def _samples_named(text: str, name: str) -> Iterator[Sample]:
+    """The samples of metric `name` on the page, in page order, without reading other lines: a
+    sample line starts with its name (after blanks), unlike a # HELP or # TYPE line."""
+    start = text.find(name)
+    while start >= 0:
+        line_start = text.rfind("\n", 0, start) + 1
+        end = text.find("\n", start)
+        end = len(text) if end < 0 else end
+        if text[line_start:start].isspace() or line_start == start:
+            for sample in parse_samples(text[line_start:end]):
+                if sample.name == name:
+                    yield sample
+        start = text.find(name, end)
 
 
 class Sample(NamedTuple):

@@ -197,13 +197,18 @@ class Pipeline:
         if not endpoints:
             result = profiles[profile.name] = ProfileResult(None, {}, {}, endpoints)
             return result
-        totals = dict.fromkeys((e.name for e in endpoints), 0.0)
         scores: dict[str, dict[str, float]] = {}
+        weighted = []
         for scorer, weight in profile.scorers:
-            s = scorer.score(req, endpoints)
-            scores[scorer.name] = s
-            for name, v in s.items():
-                totals[name] += weight * v
+            s = scores[scorer.name] = scorer.score(req, endpoints)
+            weighted.append((s, weight))
+        # a scorer scores every endpoint it is given; each total sums in scorer order
+        totals: dict[str, float] = {}
+        for e in endpoints:
+            name, total = e.name, 0.0
+            for s, weight in weighted:
+                total += weight * s[name]
+            totals[name] = total
         chosen = profile.picker.pick(totals, endpoints)
         for scorer in profile.hooks:
             scorer.chosen(req, chosen)

@@ -125,14 +125,22 @@ class RequestParser:
         text: str | None,
         headers: dict[str, str],
     ) -> SchedulingRequest:
-        """Token ids of the (first) prompt and their block keys; ``text``: the chat already
-        rendered (else rendered here)."""
+        """Token ids of the (first) prompt and their block keys (shared with earlier requests
+        of the same prompt text: read-only); ``text``: the chat already rendered (else rendered
+        here)."""
         ids: list[int] = []
-        encode = self.tokens.encode_completion
-        if isinstance(prompt, ChatPrompt) and text is not None:
-            ids = encode(text, prompt.add_special_tokens)
+        keys: list[int] = []
+        tokens, salt = self.tokens, fields.cache_salt
+        if isinstance(prompt, ChatPrompt):
+            if text is None:
+                text = chat_text(tokens.tokenizer, prompt)
+            ids, keys = tokens.ids_and_keys(text, prompt.add_special_tokens, salt)
         elif prompt is not None:
-            ids = prompt_token_ids(self.tokens.tokenizer, prompt, encode, first_only=True)[0]
+            first = prompt.prompts[0] if prompt.prompts else None
+            if isinstance(first, str):
+                ids, keys = tokens.ids_and_keys(first, prompt.add_special_tokens, salt)
+            else:  # token ids as given
+                ids = prompt_token_ids(tokens.tokenizer, prompt, first_only=True)[0]
+                keys = tokens.block_keys(ids, cache_salt=salt) if ids else []
         rid = headers.get("x-request-id") or f"{_ids.getrandbits(128):032x}"
-        keys = self.tokens.block_keys(ids, cache_salt=fields.cache_salt) if ids else []
         return SchedulingRequest(rid, fields.model, ids, keys, headers, self.block_size)

@@ -2,6 +2,9 @@
 hashes come from router.block_keys, cached too. What text a request's prompt is (its chat
 rendering, its checks) is protocol.prompt's, shared with the engine; this module only encodes.
 
+A prompt seen before whole (a retry, a benchmark, a repeated question) is answered from a small
+LRU of whole prompts: its ids and block keys with no hashing at all.
+
 An agent's next prompt is usually its last prompt plus more text. Each encoded text is kept as a
 *run*: its ids and *cuts*, token boundaries that fall on character boundaries. Runs are found
 through blake2b digests of text prefixes: coarse ones every ``16 * chunk_chars`` characters over
@@ -46,6 +49,7 @@ class TokenizerStats(BlockKeyStats):
     prefix_hits: int = 0  # cached prefix reused, only a tail encoded
     full_encodes: int = 0  # encoded from the start (cold, short, or seam check failed)
     seam_failures: int = 0
+    whole_hits: int = 0  # whole prompt found in the LRU of whole prompts: nothing computed
     chars_encoded: int = 0  # characters actually passed to the tokenizer
 
 
@@ -84,6 +88,8 @@ class PromptTokenizer:
         chunk_chars: int = 128,
         cut_stride: int = 16,
         hash_span: int = 16,
+        whole_entries: int = 1024,
+        whole_tokens: int = 262_144,
     ) -> None:
         self.tokenizer = tokenizer
         self.block_size = block_size
@@ -98,6 +104,11 @@ class PromptTokenizer:
         self._runs: OrderedDict[_Run, None] = OrderedDict()  # LRU, oldest first
         self._ckpt: dict[bytes, _Run] = {}  # digest of a text prefix -> a run extending it
         self._tokens = 0
+        # (text, add_special_tokens, cache_salt) -> (ids, keys), oldest first. Invariant: at
+        # most whole_entries entries and whole_tokens ids over all (_whole_held of them)
+        self._whole: OrderedDict[tuple[str, bool, str | None], tuple[list[int], list[int]]]
+        self._whole = OrderedDict()
+        self.whole_entries, self.whole_tokens, self._whole_held = whole_entries, whole_tokens, 0
         added = getattr(tokenizer, "get_added_vocab", dict)()
         # Texts may differ right after the agreed prefix, and a special token that starts up to
         # its length before that point may be matched in one text only: stay clear of both.
@@ -130,6 +141,28 @@ class PromptTokenizer:
         pre, post = self._specials
         return pre + self._encode_raw(prompt) + post
 
+    def ids_and_keys(
+        self, text: str, add_special_tokens: bool, cache_salt: str | None = None
+    ) -> tuple[list[int], list[int]]:
+        """``encode_completion(text, add_special_tokens)`` and its ``block_keys`` (with
+        ``cache_salt``), the pair kept for a prompt seen whole before. The lists may be shared
+        with earlier callers: read them, never change them."""
+        key = (text, add_special_tokens, cache_salt)
+        whole = self._whole
+        pair = whole.get(key)
+        if pair is not None:
+            whole.move_to_end(key)
+            self.stats.whole_hits += 1
+            return pair
+        ids = self.encode_completion(text, add_special_tokens)
+        pair = ids, self.block_keys(ids, cache_salt) if ids else []
+        if len(ids) <= self.whole_tokens:
+            whole[key] = pair
+            self._whole_held += len(ids)
+            while len(whole) > self.whole_entries or self._whole_held > self.whole_tokens:
+                self._whole_held -= len(whole.popitem(last=False)[1][0])
+        return pair
+
     def block_keys(
         self, token_ids: Sequence[int], cache_salt: str | None = None, lora_name: str | None = None
     ) -> list[int]:
@@ -145,9 +178,16 @@ class PromptTokenizer:
                 block_size, old.hasher.algo, old.capacity_blocks, old.hash_span, self.stats
             )
             self.block_size = block_size
+            self._whole.clear()
+            self._whole_held = 0
 
     def cache_info(self) -> dict[str, int]:
-        return {"runs": len(self._runs), "tokens": self._tokens, "hash_blocks": self._keys.blocks}
+        return {
+            "runs": len(self._runs),
+            "tokens": self._tokens,
+            "hash_blocks": self._keys.blocks,
+            "whole_prompts": len(self._whole),
+        }
 
     # ---- text cache -----------------------------------------------------------------------
     def _encode_raw(self, text: str) -> list[int]:

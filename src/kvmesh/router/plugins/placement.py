@@ -65,15 +65,23 @@ class PlacementCostScorer(PrefixReader):
             if value < 0:
                 raise ValueError(f"{self.name}: {key} must be >= 0, got {value}")
 
-    def cost(self, req: SchedulingRequest, e: Endpoint) -> float:
-        batch = max(e.in_flight, e.running + e.waiting)
-        stall = req.state.uncached_tokens(e.name) * (1.0 + self.decode_weight * batch)
-        return (
-            e.pending_prefill_tokens + stall + self.waiting_weight * e.waiting * len(req.token_ids)
-        )
+    def costs(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> dict[str, float]:
+        """Each endpoint's placement cost, in tokens of prefill (one pass, no call per
+        endpoint: the router's hottest scorer)."""
+        state, prompt = req.state, len(req.token_ids)
+        held, whole, block = state.held(), max(0, state.prompt_tokens), state.block_size
+        decode_weight, waiting_weight = self.decode_weight, self.waiting_weight
+        cost: dict[str, float] = {}
+        for e in endpoints:
+            blocks = held.get(e.name) if held else None  # as state.uncached_tokens
+            uncached = max(0, whole - int(blocks * block)) if blocks else whole
+            batch = max(e.in_flight, e.running + e.waiting)
+            stall = uncached * (1.0 + decode_weight * batch)
+            cost[e.name] = e.pending_prefill_tokens + stall + waiting_weight * e.waiting * prompt
+        return cost
 
     def score(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> dict[str, float]:
-        cost = {e.name: self.cost(req, e) for e in endpoints}
+        cost = self.costs(req, endpoints)
         n = max(1, len(req.token_ids))
         best = min(cost.values(), default=0.0)
         return {k: (best + n) / (c + n) for k, c in cost.items()}

@@ -20,8 +20,10 @@ def match_scores(
     """Each endpoint's held fraction of the prompt; all 0 when even the best of `endpoints` is
     below `threshold` (a match that short, e.g. a system prompt every session shares, is not
     worth following: placing the request by load spreads new contexts instead)."""
+    if not hits or not total:  # nothing held anywhere (a short or cold prompt): all 0
+        return dict.fromkeys([e.name for e in endpoints], 0.0)
     held = {e.name: hits.get(e.name, 0) for e in endpoints}
-    if not total or (threshold > 0 and max(held.values(), default=0) < threshold * total):
+    if threshold > 0 and max(held.values(), default=0) < threshold * total:
         return dict.fromkeys(held, 0.0)
     return {name: h / total for name, h in held.items()}
 
@@ -71,10 +73,13 @@ class NoHitLRUScorer(PrefixReader):
 
     def score(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> dict[str, float]:
         if not self.cold(req):
-            return dict.fromkeys((e.name for e in endpoints), 0.5)
-        order = {name: i for i, name in enumerate(self.recent)}  # oldest first
-        never = [e.name for e in endpoints if e.name not in order]
-        ranked = never + sorted((e.name for e in endpoints if e.name in order), key=order.get)
+            return dict.fromkeys([e.name for e in endpoints], 0.5)
+        recent = self.recent  # oldest first
+        names = [e.name for e in endpoints]
+        ranked = [name for name in names if name not in recent]  # never chosen: first
+        if len(ranked) < len(names):
+            candidates = set(names)
+            ranked += [name for name in recent if name in candidates]
         n = max(1, len(ranked) - 1)
         return {name: 1.0 - i / n for i, name in enumerate(ranked)}
 

@@ -85,7 +85,7 @@ class SessionAffinityScorer(Plugin):
         session = req.headers.get(self.header)
         bound = self.bindings.get(session) if session else None
         if bound is None or bound[1] < time.monotonic():
-            return dict.fromkeys((e.name for e in endpoints), 0.0)
+            return dict.fromkeys([e.name for e in endpoints], 0.0)
         return {e.name: 1.0 if e.name == bound[0] else 0.0 for e in endpoints}
 
     def chosen(self, req: SchedulingRequest, endpoint: Endpoint) -> None:

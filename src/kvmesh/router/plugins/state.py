@@ -40,7 +40,9 @@ class SchedulingState:
     """Invariant: `precise` and `approximate` are each NO_MATCH (not looked up) or the index's
     longest_match over every endpoint the pass started with (or, when a later reader such as
     peer-source selection filled it, over those it reads); an endpoint absent holds nothing.
-    No reference back to the request, so a request and its state are freed by refcount."""
+    A match is replaced, never changed in place: what is derived from the pair (`held`) is
+    recomputed when either is another object. No reference back to the request, so a request
+    and its state are freed by refcount."""
 
     prompt_tokens: int
     block_size: int
@@ -48,6 +50,10 @@ class SchedulingState:
     precise: Mapping[str, float]  # leading blocks, weighted by medium (KV events)
     approximate: Mapping[str, int]  # leading blocks the router sent there
     profiles: dict[str, ProfileResult] = field(default_factory=dict)
+    # derived from (precise, approximate) as they were when `_basis` was taken
+    _basis: tuple[Mapping, Mapping] | None = field(default=None, repr=False, compare=False)
+    _held: dict[str, float] = field(default_factory=dict, repr=False, compare=False)
+    _best: float = field(default=0.0, repr=False, compare=False)
 
     @classmethod
     def of(cls, req: SchedulingRequest) -> SchedulingState:
@@ -70,19 +76,36 @@ class SchedulingState:
         if approximate_index is not None and self.approximate is NO_MATCH:
             self.approximate = approximate_index.longest_match(keys, names)
 
+    def held(self) -> Mapping[str, float]:
+        """blocks_cached of every endpoint with a match (absent: none), derived once per pair
+        of matches. Read-only for callers."""
+        p, a = self.precise, self.approximate
+        basis = self._basis
+        if basis is None or basis[0] is not p or basis[1] is not a:
+            if not a:
+                held = {k: max(v, 0) for k, v in p.items()}
+            else:
+                held = {k: max(p.get(k, 0.0), a.get(k, 0)) for k in (p.keys() | a.keys())}
+            self._held, self._basis = held, (p, a)
+            self._best = max(held.values(), default=0.0)
+        return self._held
+
     def blocks_cached(self, endpoint: str) -> float:
         """Leading prompt blocks `endpoint` is known to hold: the longer of the precise match
         (tier-weighted) and the router's own past decisions."""
-        return max(self.precise.get(endpoint, 0.0), self.approximate.get(endpoint, 0))
+        return self.held().get(endpoint, 0.0)
 
     def uncached_tokens(self, endpoint: str) -> int:
         """Prompt tokens `endpoint` would compute: the prompt less its cached prefix."""
-        return max(0, self.prompt_tokens - int(self.blocks_cached(endpoint) * self.block_size))
+        blocks = self.held().get(endpoint)
+        if not blocks:
+            return max(0, self.prompt_tokens)
+        return max(0, self.prompt_tokens - int(blocks * self.block_size))
 
     def best_blocks(self) -> float:
         """The most leading blocks any endpoint is known to hold."""
-        p, a = self.precise, self.approximate
-        return max(max(p.values(), default=0.0), max(a.values(), default=0))
+        self.held()
+        return self._best
 
     def best_fraction(self) -> float:
         """The largest fraction of the prompt's blocks any endpoint is known to hold."""
