@@ -21,3 +21,44 @@ def test_up_passes_router_flags_and_the_engines_shared_settings(monkeypatch):
 def test_up_refuses_a_bad_router_flag_before_starting_anything(capsys):
     assert main(["up", "--stream-idle-timeout", "-1"]) == 2
     assert "--stream-idle-timeout" in capsys.readouterr().err
+
+
+def test_up_starts_serve_and_router_with_its_flags_and_keys_by_environment(monkeypatch):
+    """The children's command lines parse back to the very configs `up` validated; no key is
+    on a command line, each is in the children's environment."""
+    import dataclasses
+
+    from kvmesh.commands.flags import config_from_args
+    from kvmesh.commands.router import router_config_from
+    from kvmesh.commands.up import child_env, engine_command, router_command
+    from kvmesh.engine.emulation.builder import EmulationConfig
+
+    for var in ("VLLM_API_KEY", "KVMESH_ADMIN_API_KEY", "PYTHONHASHSEED"):
+        monkeypatch.delenv(var, raising=False)
+    argv = ["up", "--emulate", "3", "--port", "9100", "--block-size", "32", "--max-num-seqs", "7"]
+    argv += ["--no-enable-chunked-prefill", "--emulate-gpu", "h200", "--emulate-ttft-ms", "5"]
+    argv += ["--emulate-itl-ms", "1", "--prefix-caching-hash-algo", "xxhash", "--preset", "load"]
+    argv += ["--max-retries", "4", "--trust-request-chat-template", "--api-key", "k1"]
+    args = build_parser().parse_args([*argv, "--admin-api-key", "adm"])
+    config, emu = _engine_config(args), config_from_args(EmulationConfig, args)
+    urls = [f"http://127.0.0.1:{9101 + i}" for i in range(3)]
+    rcfg = up_router_config(config, args, urls)
+    engine, router = engine_command(config, emu, args), router_command(rcfg, config, args)
+    assert not {"k1", "adm"} & {*engine, *router}
+    env = child_env(config)
+    assert (env["VLLM_API_KEY"], env["KVMESH_ADMIN_API_KEY"]) == ("k1", "adm")
+    assert env["PYTHONHASHSEED"].isdigit()  # xxhash: engines and router share one NONE_HASH
+    for var in ("VLLM_API_KEY", "KVMESH_ADMIN_API_KEY"):
+        monkeypatch.setenv(var, env[var])
+
+    served = build_parser().parse_args(engine[3:])  # from --log-level on
+    assert (served.command, served.emulate, served.port) == ("serve", 3, 9101)
+    assert _engine_config(served) == config
+    assert config_from_args(EmulationConfig, served) == emu
+
+    routed = build_parser().parse_args(router[3:])
+    assert (routed.command, routed.port, routed.endpoint) == ("router", 9100, urls)
+    got = router_config_from(routed, routed.endpoint)
+    assert dataclasses.replace(got, endpoint_api_key="k1") == rcfg  # unset: its --api-key
+    assert got.upstream_authorization(None) == rcfg.upstream_authorization(None)
+    assert (got.block_size, got.preset, got.max_retries) == (32, "load", 4)

@@ -1,4 +1,5 @@
-"""`kvmesh serve` and `kvmesh up`: one engine, emulated engines, or the whole stack."""
+"""`kvmesh serve` and `kvmesh up`: one engine, emulated engines, or the whole stack (`up` runs
+`serve` and `router` as child processes: commands.up)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import argparse
 import sys
 
 from kvmesh.commands.flags import config_from_args
-from kvmesh.commands.router import start_router_from, wait_for_shutdown
 from kvmesh.engine.config import HASH_ALGOS, SCHEDULING_POLICIES, EngineConfig
 
 ENGINE_HELP = {
@@ -131,6 +131,7 @@ def up_router_config(config: EngineConfig, args: argparse.Namespace, endpoints, 
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    emu = None
     try:
         config = _engine_config(args)
         if args.emulate:
@@ -142,70 +143,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvmesh {args.command}: {exc}", file=sys.stderr)
         return 2
-    if args.emulate:
+    if args.command == "up":
+        from kvmesh.commands.up import run_up
+
+        return run_up(config, emu, args)
+    if emu is not None:
         return run_emulated(config, emu, args)
     from kvmesh.engine.builder import build_engine
     from kvmesh.engine.server import serve
 
-    if args.command == "serve":
-        try:
-            bundle = build_engine(config)
-        except ValueError as exc:  # a setting only the build can check (a tier path, say)
-            print(f"kvmesh serve: {exc}", file=sys.stderr)
-            return 2
-        serve(bundle, args.host, args.port)
-        return 0
-    return run_up(config, args)
-
-
-def run_up(config: EngineConfig, args: argparse.Namespace) -> int:
-    """The whole stack on this machine: the engine behind the router, events over ipc://."""
-    import dataclasses
-    import json
-    import tempfile
-
-    from kvmesh.engine.builder import build_engine
-    from kvmesh.engine.server import start_server
-
-    if not config.kv_events_config:
-        ipc = tempfile.mkdtemp(prefix="kvmesh-")
-        config = dataclasses.replace(
-            config,
-            kv_events_config=json.dumps(
-                {
-                    "enable_kv_cache_events": True,
-                    "endpoint": f"ipc://{ipc}/kv",
-                    "replay_endpoint": f"ipc://{ipc}/replay",
-                }
-            ),
-        )
-    bundle = build_engine(config)
-
-    async def main() -> None:
-        engine_runner = await start_server(bundle, args.host, args.port + 1)
-        engine_url = f"http://{args.host}:{args.port + 1}"
-        rcfg = up_router_config(config, args, [engine_url])
-        _, router_runner = await start_router_from(rcfg, args.host, args.port, bundle.tokenizer)
-        print(
-            f"kvmesh ready: http://{args.host}:{args.port}/v1 (router; model "
-            f"{bundle.model_name}; engine {engine_url}/v1)",
-            flush=True,
-        )
-        try:
-            await wait_for_shutdown()
-        finally:
-            await router_runner.cleanup()
-            await engine_runner.cleanup()
-
-    from kvmesh.engine.server import run
-
-    run(main())
+    try:
+        bundle = build_engine(config)
+    except ValueError as exc:  # a setting only the build can check (a tier path, say)
+        print(f"kvmesh serve: {exc}", file=sys.stderr)
+        return 2
+    serve(bundle, args.host, args.port)
     return 0
 
 
 def run_emulated(config: EngineConfig, emu, args: argparse.Namespace) -> int:
-
+    """`kvmesh serve --emulate N`: N emulated engines on consecutive ports from --port."""
     from kvmesh.engine.emulation.host import EmulatedFleet
+    from kvmesh.engine.server import run, wait_for_shutdown
     from kvmesh.engine.tokenizer import load_tokenizer
 
     count = args.emulate
@@ -213,30 +172,16 @@ def run_emulated(config: EngineConfig, emu, args: argparse.Namespace) -> int:
 
     async def main() -> None:
         fleet = EmulatedFleet(config, emu, tokenizer, count)
-        with_router = args.command == "up"
-        urls = await fleet.start(args.host, args.port + 1 if with_router else args.port)
+        urls = await fleet.start(args.host, args.port)
         spec = f"{emu.emulate_model} on {emu.tensor_parallel_size} x {emu.emulate_gpu}"
         blocks = fleet.bundles[0].engine.core.kv.pool.num_blocks
         print(f"kvmesh: {count} emulated engine(s), {spec}, {blocks} KV blocks each", flush=True)
         for url in urls:
             print(f"  engine {url}/v1", flush=True)
-        runner = None
-        if with_router:
-            kv_events = "auto" if config.kv_events_config else None
-            rcfg = up_router_config(config, args, urls, kv_events)
-            _, runner = await start_router_from(rcfg, args.host, args.port)
-            print(
-                f"kvmesh ready: http://{args.host}:{args.port}/v1 (router, preset {rcfg.preset})",
-                flush=True,
-            )
         try:
             await wait_for_shutdown()
         finally:
-            if runner is not None:
-                await runner.cleanup()
             await fleet.stop()
-
-    from kvmesh.engine.server import run
 
     run(main())
     return 0

@@ -1,0 +1,261 @@
+"""`kvmesh up`: the whole stack on this machine, as the processes a user would start by hand.
+
+One `kvmesh serve` child runs the engine (or `--emulate N` emulated engines) on the ports after
+--port, one `kvmesh router` child runs the router on --port, each with its own event loop and
+interpreter, so the router's scrapes, KV-event ingestion and proxying never wait for engine
+steps (nor for the GIL they hold). Invariants: every child is started with the flags the user
+gave `up` (secrets go by environment, never argv); `kvmesh ready` is printed only once every
+child answers GET /health; SIGINT, SIGTERM or SIGHUP is passed on to every child as SIGTERM,
+and a child still running GRACE_S later is killed; a child that exits on its own stops the
+others and `up` exits with its code (1 if it was 0); no child outlives `up`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable
+from pathlib import Path
+
+from kvmesh.engine.config import EngineConfig
+from kvmesh.protocol import auth
+
+GRACE_S = 5.0  # after SIGTERM, a child gets this long to finish before it is killed
+POLL_S = 0.1  # the supervisor's look at its children and at the signals it was sent
+START_TIMEOUT_S = 900.0  # loading a large model takes minutes; a child stuck longer is stopped
+SECRET_FIELDS = {  # EngineConfig field -> the environment variable its child reads it from
+    "api_key": auth.API_KEY_ENV,
+    "admin_api_key": auth.ADMIN_KEY_ENV,
+    "kv_transfer_api_key": auth.KV_TRANSFER_KEY_ENV,
+}
+ROUTER_OWN = {"endpoints", "endpoints_file", "api_key", "endpoint_api_key", "kv_events"}
+
+
+def flags_for(config, names: Iterable[str]) -> list[str]:
+    """The command-line flags that give `config`'s fields `names` their values (those at the
+    class default are left out): the inverse of commands.flags.config_from_args."""
+    defaults, out = type(config)(), []
+    for name in names:
+        value = getattr(config, name)
+        if value == getattr(defaults, name) or value is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def child_env(config: EngineConfig) -> dict[str, str]:
+    """This process's environment with the engine's keys as its children read them, the
+    kvmesh this process runs first on their path, and one NONE_HASH seed for all of them."""
+    env = dict(os.environ)
+    for name, var in SECRET_FIELDS.items():
+        value = getattr(config, name)
+        if value:
+            env[var] = value
+        else:
+            env.pop(var, None)
+    import kvmesh
+
+    src = str(Path(kvmesh.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if not config.prefix_caching_hash_algo.startswith("sha256"):
+        # xxhash roots its chain in a per-process random seed unless PYTHONHASHSEED is set:
+        # engines and router in separate processes must share one (protocol.hashing.none_hash)
+        env.setdefault("PYTHONHASHSEED", str(secrets.randbelow(2**32)))
+    return env
+
+
+def with_ipc_events(config: EngineConfig) -> tuple[EngineConfig, str | None]:
+    """KV events over ipc:// in a fresh folder when none are configured: (config, folder)."""
+    if config.kv_events_config:
+        return config, None
+    folder = tempfile.mkdtemp(prefix="kvmesh-")
+    events = {
+        "enable_kv_cache_events": True,
+        "endpoint": f"ipc://{folder}/kv",
+        "replay_endpoint": f"ipc://{folder}/replay",
+    }
+    return dataclasses.replace(config, kv_events_config=json.dumps(events)), folder
+
+
+def kvmesh_command(args: argparse.Namespace, command: str) -> list[str]:
+    level = getattr(args, "log_level", "INFO")
+    return [sys.executable, "-m", "kvmesh.cli", "--log-level", level, command]
+
+
+def engine_command(config: EngineConfig, emu, args: argparse.Namespace) -> list[str]:
+    from kvmesh.commands.serve import EMULATION_HELP, ENGINE_HELP
+
+    names = [n for n in ENGINE_HELP if n not in SECRET_FIELDS]
+    cmd = [*kvmesh_command(args, "serve"), "--host", args.host, "--port", str(args.port + 1)]
+    cmd += flags_for(config, names)
+    if emu is not None:
+        cmd += ["--emulate", str(args.emulate), *flags_for(emu, EMULATION_HELP)]
+    return cmd
+
+
+def router_command(rcfg, config: EngineConfig, args: argparse.Namespace) -> list[str]:
+    from kvmesh.commands.router import ROUTER_HELP
+
+    cmd = [*kvmesh_command(args, "router"), "--host", args.host, "--port", str(args.port)]
+    for url in rcfg.endpoints:
+        cmd += ["--endpoint", url]
+    # the engines' block size among them: given, the router refuses an engine of another size
+    cmd += flags_for(rcfg, [n for n in ROUTER_HELP if n not in ROUTER_OWN])
+    if rcfg.kv_events is None:
+        cmd += ["--kv-events", "none"]
+    if config.model:  # the router tokenizes as the engine does, with the model's tokenizer
+        cmd += ["--tokenizer", config.model]
+    return cmd
+
+
+class Stack:
+    """The children and the signals sent to this process."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        self.children: dict[str, subprocess.Popen] = {}
+        self.signalled = False
+
+    def on_signal(self, signum: int, frame) -> None:
+        self.signalled = True
+
+    def start(self, name: str, cmd: list[str]) -> None:
+        # each child leads its own session, as one started from its own terminal would; and a
+        # child outlives no supervisor: it gets SIGTERM when this process dies, even by SIGKILL
+        self.children[name] = subprocess.Popen(
+            cmd, env=self.env, start_new_session=True, preexec_fn=_die_with_parent()
+        )
+
+    def exited(self) -> tuple[str, int] | None:
+        """The first child found gone, with its exit code."""
+        for name, child in self.children.items():
+            code = child.poll()
+            if code is not None:
+                return name, code
+        return None
+
+    def wait_healthy(self, urls: list[str]) -> bool:
+        """Until every URL answers GET /health 200: False when a child exits or a signal comes
+        first, or START_TIMEOUT_S passes."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        pending = list(urls)
+        while pending:
+            if self.signalled or self.exited() or time.monotonic() > deadline:
+                return False
+            if _healthy(pending[0]):
+                pending.pop(0)
+            else:
+                time.sleep(POLL_S)
+        return True
+
+    def stop(self) -> None:
+        """SIGTERM to every child still running, SIGKILL to those left after GRACE_S."""
+        for child in self.children.values():
+            if child.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_S
+        for child in self.children.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.wait(timeout=max(0.0, deadline - time.monotonic()))
+        for child in self.children.values():
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+
+
+def _die_with_parent():
+    """preexec_fn that has the kernel send the child SIGTERM when this process dies, even by
+    SIGKILL (Linux; None elsewhere). The lookup is done here: a forked child imports nothing."""
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+            return resp.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def _model_name(url: str, key: str | None) -> str:
+    headers = {"Authorization": auth.bearer(key)} if key else {}
+    try:
+        req = urllib.request.Request(url + "/v1/models", headers=headers)
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return json.loads(resp.read())["data"][0]["id"]
+    except (OSError, ValueError, KeyError, IndexError):
+        return "?"
+
+
+def run_up(config: EngineConfig, emu, args: argparse.Namespace) -> int:
+    """The engine(s) and the router as child processes until SIGINT/SIGTERM or a child's exit."""
+    from kvmesh.commands.serve import up_router_config
+
+    count = args.emulate if emu is not None else 1
+    config, folder = with_ipc_events(config)
+    local = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    engines = [f"http://{local}:{args.port + 1 + i}" for i in range(count)]
+    rcfg = up_router_config(config, args, engines)
+    stack = Stack(child_env(config))
+    # the children lead sessions of their own, so a terminal's Ctrl-C or hangup reaches only
+    # this process, which passes it on as SIGTERM
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, stack.on_signal) for s in stops}
+    code = 0
+    try:
+        stack.start("engine", engine_command(config, emu, args))
+        up = stack.wait_healthy(engines)
+        if up:  # the router learns what the engines cache from their event replay at its start
+            stack.start("router", router_command(rcfg, config, args))
+            up = stack.wait_healthy([f"http://{local}:{args.port}"])
+        if not up and not stack.signalled and stack.exited() is None:
+            print(
+                f"kvmesh up: not healthy within {START_TIMEOUT_S:.0f} s; stopping", file=sys.stderr
+            )
+            return 1
+        if up:
+            what = (
+                f"router, preset {rcfg.preset}"
+                if emu is not None
+                else f"router; model {_model_name(engines[0], config.api_key)}; "
+                f"engine {engines[0]}/v1"
+            )
+            print(f"kvmesh ready: http://{args.host}:{args.port}/v1 ({what})", flush=True)
+        while not stack.signalled and stack.exited() is None:
+            time.sleep(POLL_S)
+        gone = stack.exited()
+        if gone is not None and not stack.signalled:
+            name, status = gone
+            print(f"kvmesh up: the {name} exited with code {status}; stopping", file=sys.stderr)
+            code = status if status > 0 else 1
+    finally:
+        stack.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+    return code

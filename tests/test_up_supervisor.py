@@ -1,0 +1,138 @@
+"""`kvmesh up` supervises its engine and router processes: it forwards SIGTERM, kills a child
+that outlives the grace period, stops the others and exits non-zero when a child dies, and
+leaves no process behind. The quick tests run stand-in children; the slow one the real stack."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from kvmesh.cli import build_parser
+from kvmesh.commands import up
+from kvmesh.commands.serve import _engine_config
+
+SLEEP = "import time; time.sleep(60)"
+# ignores SIGTERM, then sends one to `kvmesh up` (its parent) as a user would, once both
+# children have started (the router starts at once: its health is taken for granted here)
+IGNORES_SIGTERM = (
+    "import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(0.3); "
+    "os.kill(os.getppid(), signal.SIGTERM); " + SLEEP
+)
+
+
+class Recorded(up.Stack):
+    last: up.Stack | None = None
+
+    def __init__(self, env) -> None:
+        super().__init__(env)
+        Recorded.last = self
+
+
+def run_with(monkeypatch, engine: str, router: str, healthy: bool = True) -> int:
+    monkeypatch.setattr(up, "engine_command", lambda *a: [sys.executable, "-c", engine])
+    monkeypatch.setattr(up, "router_command", lambda *a: [sys.executable, "-c", router])
+    monkeypatch.setattr(up, "_healthy", lambda url: healthy)
+    monkeypatch.setattr(up, "_model_name", lambda url, key: "m")
+    monkeypatch.setattr(up, "GRACE_S", 0.5)
+    monkeypatch.setattr(up, "Stack", Recorded)
+    args = build_parser().parse_args(["up", "--port", "9300"])
+    return up.run_up(_engine_config(args), None, args)
+
+
+def children_gone() -> dict[str, int | None]:
+    assert Recorded.last is not None
+    return {name: child.poll() for name, child in Recorded.last.children.items()}
+
+
+def test_sigterm_is_forwarded_and_a_child_that_ignores_it_is_killed(monkeypatch, capsys):
+    assert run_with(monkeypatch, IGNORES_SIGTERM, SLEEP) == 0
+    assert children_gone() == {"engine": -signal.SIGKILL, "router": -signal.SIGTERM}
+    assert "kvmesh ready: http://127.0.0.1:9300/v1 (router; model m;" in capsys.readouterr().out
+    assert signal.getsignal(signal.SIGTERM) is not Recorded.last.on_signal  # handlers restored
+
+
+def test_a_child_that_dies_stops_the_others_and_up_exits_with_its_code(monkeypatch, capsys):
+    dies = "import sys, time; time.sleep(0.3); sys.exit(3)"
+    assert run_with(monkeypatch, SLEEP, dies) == 3
+    assert children_gone() == {"engine": -signal.SIGTERM, "router": 3}
+    assert "the router exited with code 3" in capsys.readouterr().err
+
+
+def test_an_engine_that_fails_to_start_ends_up_before_the_router_starts(monkeypatch, capsys):
+    refused = "import sys; print('kvmesh serve: bad tier path', file=sys.stderr); sys.exit(2)"
+    assert run_with(monkeypatch, refused, SLEEP, healthy=False) == 2
+    assert children_gone() == {"engine": 2}
+    assert "kvmesh ready" not in capsys.readouterr().out
+
+
+def free_block(count: int) -> int:
+    """A base port with base..base+count-1 free (below the ephemeral range)."""
+    for base in range(20_000 + os.getpid() % 5_000, 32_000, 7):
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in range(base, base + count):
+                    s = stack.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return base
+    raise RuntimeError("no free port block")
+
+
+def stream(url: str, done: list[str]) -> None:
+    body = json.dumps({"prompt": "a story " * 50, "max_tokens": 3000, "stream": True}).encode()
+    req = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            while resp.read(256):
+                pass
+        done.append("ended")
+    except (OSError, http.client.HTTPException) as exc:  # a stream cut short: IncompleteRead
+        done.append(type(exc).__name__)
+
+
+@pytest.mark.slow  # about 15 s on a small host: two interpreters load the tokenizer
+def test_kvmesh_up_under_load_stops_on_sigterm_and_leaves_no_process():
+    port = free_block(3)
+    cmd = [sys.executable, "-m", "kvmesh.cli", "--log-level", "WARNING", "up", "--emulate", "2"]
+    proc = subprocess.Popen(
+        [*cmd, "--port", str(port)], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("kvmesh ready"):
+                break
+        else:
+            pytest.fail(f"kvmesh up exited {proc.wait()} before it was ready")
+        children = [int(p) for p in subprocess.check_output(["pgrep", "-P", str(proc.pid)]).split()]
+        assert len(children) == 2  # the engines' process and the router's
+        done: list[str] = []
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        clients = [threading.Thread(target=stream, args=(url, done)) for _ in range(8)]
+        for c in clients:
+            c.start()
+        time.sleep(1.5)  # the streams are under way
+        assert not done
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        for c in clients:
+            c.join(timeout=30)
+        assert len(done) == 8  # every stream was ended, none left hanging
+        for pid in children:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
