@@ -23,6 +23,29 @@ URL_RE = re.compile(r"engine (http://[\w.\-]+:\d+)/v1")
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
 
 
+def group_members(pgids: set[int]) -> dict[int, float]:
+    """Live (not zombie) processes whose process group is one of `pgids`, and their descendants
+    (a child in a session of its own included): their CPU seconds (user + system, threads)."""
+    tick, stats = os.sysconf("SC_CLK_TCK"), {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != b"Z":  # state, ppid, pgid, ..., utime, stime
+            stats[int(entry)] = (int(fields[1]), int(fields[2]), int(fields[11]) + int(fields[12]))
+    found = {pid for pid, (_, pgid, _) in stats.items() if pgid in pgids}
+    grown = True
+    while grown:
+        more = {pid for pid, (ppid, _, _) in stats.items() if ppid in found} - found
+        found |= more
+        grown = bool(more)
+    return {pid: stats[pid][2] / tick for pid in found}
+
+
 @dataclass(frozen=True)
 class Target:
     """A router under test: kind (kvmesh, sglang, vllm) and its policy / preset."""
@@ -87,19 +110,9 @@ class Proc:
         return ""
 
     def cpu_seconds(self) -> float:
-        """utime + stime of every live process of this group (threads included)."""
-        tck, pgid, total = os.sysconf("SC_CLK_TCK"), self.popen.pid, 0
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    fields = f.read().rsplit(b")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid:
-                total += int(fields[11]) + int(fields[12])
-        return total / tck
+        """utime + stime of every live process of this group and its descendants (threads
+        included)."""
+        return sum(group_members({self.popen.pid}).values())
 
     def stop(self) -> None:
         if self.popen.poll() is None:

@@ -16,34 +16,12 @@ from pathlib import Path
 import aiohttp
 
 from kvmesh.bench.fleet_engines import ADMIN_KEY, admin_headers
+from kvmesh.bench.router_procs import group_members
 from kvmesh.protocol.prom import parse_samples
 from kvmesh.protocol.stats import percentile
 
 PROBE_S = 0.1  # between two GET /health of one server
 VIEW_S = 0.5  # between two reads of the router's /metrics
-
-
-def group_members(pgids: set[int]) -> dict[int, float]:
-    """Live (not zombie) processes whose process group is one of `pgids`, and their descendants
-    (a child in a session of its own included): their CPU seconds (user + system, threads)."""
-    tick, stats = os.sysconf("SC_CLK_TCK"), {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != b"Z":  # state, ppid, pgid, ..., utime, stime
-            stats[int(entry)] = (int(fields[1]), int(fields[2]), int(fields[11]) + int(fields[12]))
-    found = {pid for pid, (_, pgid, _) in stats.items() if pgid in pgids}
-    grown = True
-    while grown:
-        more = {pid for pid, (ppid, _, _) in stats.items() if ppid in found} - found
-        found |= more
-        grown = bool(more)
-    return {pid: stats[pid][2] / tick for pid in found}
 
 
 class Group:
