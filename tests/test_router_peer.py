@@ -141,7 +141,7 @@ def test_router_names_the_holder_and_the_engine_pulls_from_it(fleet, smollm2):
         deadline = time.monotonic() + 10  # counted on the router's loop, maybe after the reply
         while counter.get() < 1 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert counter.get() == 1 and router.metrics.peer_lead_tokens._value.get() >= 64
+        assert counter.get() == 1 and router.metrics.peer_lead_tokens.value >= 64
         b.engine.core.kv.pool.check_invariants()
 
 

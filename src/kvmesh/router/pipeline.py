@@ -197,18 +197,15 @@ class Pipeline:
         if not endpoints:
             result = profiles[profile.name] = ProfileResult(None, {}, {}, endpoints)
             return result
-        scores: dict[str, dict[str, float]] = {}
-        weighted = []
-        for scorer, weight in profile.scorers:
-            s = scores[scorer.name] = scorer.score(req, endpoints)
-            weighted.append((s, weight))
         # a scorer scores every endpoint it is given; each total sums in scorer order
+        scores: dict[str, dict[str, float]] = {}
         totals: dict[str, float] = {}
         for e in endpoints:
-            name, total = e.name, 0.0
-            for s, weight in weighted:
-                total += weight * s[name]
-            totals[name] = total
+            totals[e.name] = 0.0
+        for scorer, weight in profile.scorers:
+            s = scores[scorer.name] = scorer.score(req, endpoints)
+            for name in totals:
+                totals[name] += weight * s[name]
         chosen = profile.picker.pick(totals, endpoints)
         for scorer in profile.hooks:
             scorer.chosen(req, chosen)

@@ -20,8 +20,15 @@ class MaxScorePicker(Plugin):
     rng: random.Random = field(default_factory=random.Random)
 
     def pick(self, totals: dict[str, float], endpoints: list[Endpoint]) -> Endpoint:
-        best = max(totals.values())
-        top = [e for e in endpoints if totals[e.name] >= best - 1e-9]
+        best = -1e300
+        for t in totals.values():
+            if t > best:
+                best = t
+        best -= 1e-9
+        top = []
+        for e in endpoints:
+            if totals[e.name] >= best:
+                top.append(e)
         return top[0] if len(top) == 1 else self.rng.choice(top)
 
 

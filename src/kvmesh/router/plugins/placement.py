@@ -65,23 +65,35 @@ class PlacementCostScorer(PrefixReader):
             if value < 0:
                 raise ValueError(f"{self.name}: {key} must be >= 0, got {value}")
 
-    def costs(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> dict[str, float]:
-        """Each endpoint's placement cost, in tokens of prefill (one pass, no call per
-        endpoint: the router's hottest scorer)."""
+    def costs(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> list[float]:
+        """Each endpoint's placement cost, in tokens of prefill, in the order given (one pass,
+        no call per endpoint: the router's hottest scorer)."""
         state, prompt = req.state, len(req.token_ids)
         held, whole, block = state.held(), max(0, state.prompt_tokens), state.block_size
         decode_weight, waiting_weight = self.decode_weight, self.waiting_weight
-        cost: dict[str, float] = {}
+        cost: list[float] = []
         for e in endpoints:
             blocks = held.get(e.name) if held else None  # as state.uncached_tokens
             uncached = max(0, whole - int(blocks * block)) if blocks else whole
-            batch = max(e.in_flight, e.running + e.waiting)
-            stall = uncached * (1.0 + decode_weight * batch)
-            cost[e.name] = e.pending_prefill_tokens + stall + waiting_weight * e.waiting * prompt
+            waiting = e.waiting
+            engine_side = e.running + waiting
+            batch = e.in_flight if e.in_flight > engine_side else engine_side
+            cost.append(
+                e.pending_prefill_tokens
+                + uncached * (1.0 + decode_weight * batch)
+                + waiting_weight * waiting * prompt
+            )
         return cost
 
     def score(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> dict[str, float]:
         cost = self.costs(req, endpoints)
         n = max(1, len(req.token_ids))
-        best = min(cost.values(), default=0.0)
-        return {k: (best + n) / (c + n) for k, c in cost.items()}
+        best = cost[0] if cost else 0.0
+        for c in cost:
+            if c < best:
+                best = c
+        best += n
+        out = {}
+        for i, e in enumerate(endpoints):
+            out[e.name] = best / (cost[i] + n)
+        return out

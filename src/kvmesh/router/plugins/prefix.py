@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvmesh.router.plugins.base import Plugin, PrefixReader, SchedulingRequest
+from kvmesh.router.plugins.scorers import zeros
 
 if TYPE_CHECKING:
     from kvmesh.router.endpoints import Endpoint
@@ -21,7 +21,7 @@ def match_scores(
     below `threshold` (a match that short, e.g. a system prompt every session shares, is not
     worth following: placing the request by load spreads new contexts instead)."""
     if not hits or not total:  # nothing held anywhere (a short or cold prompt): all 0
-        return dict.fromkeys([e.name for e in endpoints], 0.0)
+        return zeros(endpoints)
     held = {e.name: hits.get(e.name, 0) for e in endpoints}
     if threshold > 0 and max(held.values(), default=0) < threshold * total:
         return dict.fromkeys(held, 0.0)
@@ -64,7 +64,9 @@ class NoHitLRUScorer(PrefixReader):
 
     name: str
     threshold: float = 0.0  # matchThreshold: a best match at or below this fraction is cold
-    recent: OrderedDict = field(default_factory=OrderedDict)
+    # endpoint -> the count of cold picks when it was last chosen for one (absent: never)
+    last_cold: dict[str, int] = field(default_factory=dict)
+    cold_picks: int = 0
 
     def cold(self, req: SchedulingRequest) -> bool:
         if self.threshold > 0:
@@ -72,18 +74,23 @@ class NoHitLRUScorer(PrefixReader):
         return req.state.best_blocks() <= 0
 
     def score(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> dict[str, float]:
+        out: dict[str, float] = {}
         if not self.cold(req):
-            return dict.fromkeys([e.name for e in endpoints], 0.5)
-        recent = self.recent  # oldest first
-        names = [e.name for e in endpoints]
-        ranked = [name for name in names if name not in recent]  # never chosen: first
-        if len(ranked) < len(names):
-            candidates = set(names)
-            ranked += [name for name in recent if name in candidates]
-        n = max(1, len(ranked) - 1)
-        return {name: 1.0 - i / n for i, name in enumerate(ranked)}
+            for e in endpoints:
+                out[e.name] = 0.5
+            return out
+        last = self.last_cold.get
+        # least recently chosen first (never chosen: before all, in the order given)
+        stamps = []
+        for e in endpoints:
+            stamps.append((last(e.name, -1), len(stamps), e.name))
+        stamps.sort()
+        n = max(1, len(endpoints) - 1)
+        for rank, (_, _, name) in enumerate(stamps):
+            out[name] = 1.0 - rank / n
+        return out
 
     def chosen(self, req: SchedulingRequest, endpoint: Endpoint) -> None:
         if self.cold(req):
-            self.recent[endpoint.name] = None
-            self.recent.move_to_end(endpoint.name)
+            self.cold_picks += 1
+            self.last_cold[endpoint.name] = self.cold_picks

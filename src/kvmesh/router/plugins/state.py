@@ -82,6 +82,9 @@ class SchedulingState:
         p, a = self.precise, self.approximate
         basis = self._basis
         if basis is None or basis[0] is not p or basis[1] is not a:
+            if not p and not a:  # nothing held anywhere (or not looked up): the common cold case
+                self._held, self._basis, self._best = {}, (p, a), 0.0
+                return self._held
             if not a:
                 held = {k: max(v, 0) for k, v in p.items()}
             else:
