@@ -178,6 +178,13 @@ async def test_a_given_size_stays_and_a_restarted_engine_is_excluded(tokenizer) 
         ep = router.pool.endpoints[engine.url]
         await until(lambda: ep.block_size_mismatch)
         assert router.block_size.value == 16 and router.pool.candidates() == []
+        # failing open (no healthy endpoint) never reaches one of another block size
+        assert (
+            router.pick(
+                router.scheduling_request(b'{"prompt": "hi"}', "/v1/completions", {}), set()
+            )
+            is None
+        )
         engine.page = cache_page(16)
         await until(lambda: not ep.block_size_mismatch)
         assert router.pool.candidates() == [ep]

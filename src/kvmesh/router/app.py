@@ -239,8 +239,11 @@ class Router:
 
     def pick(self, req: SchedulingRequest, exclude: set[str]) -> SchedulingResult | None:
         # fail open: with no endpoint marked healthy (missed scrapes of busy engines, say) try
-        # them all; a dead one fails before the first byte and the request moves on
-        candidates = self.pool.candidates() or list(self.pool.endpoints.values())
+        # them all; a dead one fails before the first byte and the request moves on. Never one
+        # of another block size: its prefix keys would be wrong, however healthy it is
+        candidates = self.pool.candidates() or [
+            e for e in self.pool.endpoints.values() if not e.block_size_mismatch
+        ]
         if exclude:
             candidates = [e for e in candidates if e.name not in exclude]
         if not candidates:
