@@ -15,7 +15,9 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, helps: dict[str, st
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
         text = helps[f.name] + (f" [default: {default}]" if default is not None else "")
-        if isinstance(default, bool):
+        if f.metadata.get("only_when_given"):  # absent from the namespace unless given
+            default = argparse.SUPPRESS
+        if isinstance(getattr(defaults, f.name), bool):
             parser.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=default, help=text
             )
@@ -30,5 +32,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, helps: dict[str, st
 
 
 def config_from_args(cls, args: argparse.Namespace):
+    """The config of the flags parsed; a field whose flag was not given (only_when_given) keeps
+    its default."""
     names = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in vars(args).items() if k in names})

@@ -57,7 +57,30 @@ ENGINE_HELP = {
     "shared-memory segment the peer writes under /dev/shm; needs the peer on this host) or auto "
     "(shm when the peer's address is loopback or this engine's host, else tcp). A segment that "
     "cannot be read is asked again over tcp.",
-    "data_parallel_rank": "This engine's data-parallel rank (metrics label, event port offset).",
+    "data_parallel_size": "Data-parallel ranks: N processes, each with its own scheduler, "
+    "block pool, prefix cache and KV cache, in one torch.distributed group (gloo on CPU, NCCL on "
+    "CUDA), behind one front door on --port that sends each request to the rank with the fewest "
+    "running + waiting requests, or to the one its X-data-parallel-rank header names.",
+    "data_parallel_rank": "With --data-parallel-size N: serve only this rank, on --port, joining "
+    "the group at --data-parallel-address:--data-parallel-rpc-port (vLLM's external load "
+    "balancing: a router in front of the N servers). Alone: this engine's rank (metrics label "
+    "engine=<rank>, KV event port + rank).",
+    "data_parallel_address": "Address of the ranks' rendezvous (rank 0's host with "
+    "--data-parallel-rank).",
+    "data_parallel_rpc_port": "Port of the ranks' rendezvous (default: a free port; 29550 with "
+    "--data-parallel-rank).",
+    "enable_expert_parallel": "Shard each MoE layer's experts over the data-parallel ranks "
+    "(tokens travel to their experts and back); the ranks then step in lockstep, an idle rank "
+    "running a dummy step. Without it each rank holds every expert and steps on its own.",
+    "expert_placement_strategy": "Which experts each rank holds: linear (contiguous runs) or "
+    "round_robin.",
+    "enable_eplb": "Expert-parallel load balancing: every step_interval steps the experts' load "
+    "over the last window_size steps decides which hot experts get the num_redundant_experts "
+    "extra slots and how experts are packed onto ranks; the weights move, the outputs do not "
+    "change (kvmesh:eplb_rebalances_total, kvmesh:moe_imbalance on /metrics).",
+    "eplb_config": "EPLB settings as vLLM's JSON: window_size (1000), step_interval (3000), "
+    "num_redundant_experts (0), log_balancedness; use_async and communicator are accepted and "
+    "ignored (rebalancing is synchronous), policy must be 'default'.",
     "num_threads": "Torch CPU threads (default: all cores available).",
     "api_key": "Key clients must send as `Authorization: Bearer <key>` on the OpenAI routes "
     "(/v1/*) and /tokenize, /detokenize (default: env VLLM_API_KEY; unset: none). /health, "
@@ -148,7 +171,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         return run_up(config, emu, args)
     if emu is not None:
+        if config.data_parallel_size > 1:
+            print(
+                "kvmesh serve: --data-parallel-size needs a real model, not --emulate "
+                "(emulated engines scale out with --emulate N)",
+                file=sys.stderr,
+            )
+            return 2
         return run_emulated(config, emu, args)
+    if config.data_parallel_size > 1:
+        return serve_data_parallel(config, args)
     from kvmesh.engine.builder import build_engine
     from kvmesh.engine.server import serve
 
@@ -159,6 +191,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     serve(bundle, args.host, args.port)
     return 0
+
+
+def serve_data_parallel(config: EngineConfig, args: argparse.Namespace) -> int:
+    """Internal LB (ranks behind one front door), or one rank alone when --data-parallel-rank
+    is given (external LB: rank 0 hosts the rendezvous)."""
+    if "data_parallel_rank" not in vars(args):
+        from kvmesh.engine.dp.launcher import serve_data_parallel as serve_ranks
+
+        return serve_ranks(config, args.host, args.port)
+    from kvmesh.engine.config import DEFAULT_DP_RPC_PORT
+    from kvmesh.engine.dp.rank import RankSpec, rank_config, run_rank
+
+    rank = config.data_parallel_rank
+    port = config.data_parallel_rpc_port or DEFAULT_DP_RPC_PORT
+    spec = RankSpec(args.host, args.port, config.data_parallel_address, port, rank == 0)
+    try:
+        return run_rank(rank_config(config, rank), spec)
+    except (OSError, RuntimeError, ValueError) as exc:  # a taken port, a failed rendezvous
+        print(f"kvmesh serve: data-parallel rank {rank}: {exc}", file=sys.stderr)
+        return 1
 
 
 def run_emulated(config: EngineConfig, emu, args: argparse.Namespace) -> int:

@@ -26,6 +26,10 @@ class EngineOverloaded(Exception):
     """The waiting queue is full; the client should retry later."""
 
 
+class EngineDead(EngineOverloaded):
+    """The engine can no longer step (a data-parallel peer is gone); a supervisor restarts it."""
+
+
 class AsyncEngine:
     def __init__(self, core: EngineCore, max_waiting_requests: int = 1024) -> None:
         self.core = core
@@ -46,6 +50,10 @@ class AsyncEngine:
         # fleet's timing faithful in slow motion; clients divide what they measure by it.
         self.time_scale = 1.0
         self.timeline_restarts = 0  # steps that started late enough to leave the timeline
+        # data-parallel lockstep (dp.lockstep.Lockstep): one agreement per iteration, all ranks
+        self.lockstep = None
+        self.failed: str | None = None  # why the engine stopped stepping for good
+        self.on_failure: Callable[[str], None] | None = None  # called on the engine thread
 
     @property
     def started(self) -> bool:
@@ -105,17 +113,44 @@ class AsyncEngine:
             return self.core.step()
         except Exception as exc:  # the runner failed: end requests with an error, keep serving
             logger.exception("engine step failed")
-            return self.core.fail_all(f"engine step failed: {type(exc).__name__}")
+            message = f"engine step failed: {type(exc).__name__}"
+            if self.lockstep is not None:  # peers may wait in its collectives: stop for good
+                raise RuntimeError(message) from exc
+            return self.core.fail_all(message)
 
     def _run(self) -> None:
+        idle_wait = 0.5 if self.lockstep is None else self.lockstep.idle_wait_s
         while not self._stopped:
             outputs = self._drain()
-            if self.core.has_work():
-                outputs.extend(self._step())
-            elif not outputs:
-                self._wake.wait(timeout=0.5)
+            work = self.core.has_work()
+            try:
+                if self.lockstep is not None:
+                    work = self.lockstep.agree(work)
+                if work:
+                    outputs.extend(self._step())
+                    if self.lockstep is not None:
+                        self.lockstep.after_step()
+            except Exception as exc:  # lockstep only: a peer is gone, or a step or hook failed
+                self._fail(exc, outputs)
+                return
+            if not work and not outputs:
+                self._wake.wait(timeout=idle_wait)
             if outputs and self._loop is not None:
                 self._loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _fail(self, exc: Exception, outputs: list[RequestOutput]) -> None:
+        """End every request with an error and refuse new ones, for good."""
+        message = str(exc)
+        if not self._stopped:  # the cause (a collective's error) goes to the log, not clients
+            logger.error("engine stopped: %s (%s)", message, exc.__cause__ or "no detail")
+        with self._lock:
+            self.failed = message
+        outputs.extend(self._drain())
+        outputs.extend(self.core.fail_all(message))
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._dispatch, outputs)
+        if self.on_failure is not None:
+            self.on_failure(message)
 
     async def _run_async(self) -> None:
         """Steps on the event loop, back to back on an ideal timeline: a step that follows
@@ -186,9 +221,11 @@ class AsyncEngine:
         if waiting >= self.max_waiting_requests:
             raise EngineOverloaded(f"{waiting} requests are waiting; try again later")
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._queues[request.request_id] = queue
-        with self._lock:
+        with self._lock:  # under the lock: _fail drains every add made before it set failed
+            if self.failed is not None:
+                raise EngineDead(f"engine stopped: {self.failed}")
             self._pending_adds.append(request)
+        self._queues[request.request_id] = queue
         self._notify()
         return queue
 

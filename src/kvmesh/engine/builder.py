@@ -144,7 +144,9 @@ def tier_slots(
     return tiers
 
 
-def build_engine(config: EngineConfig) -> EngineBundle:
+def build_engine(config: EngineConfig, expert_parallel=None) -> EngineBundle:
+    """expert_parallel: this data-parallel rank's models.expert_parallel.ExpertParallelConfig
+    (a MoE model then loads only the experts the rank holds)."""
     import torch
 
     from kvmesh.engine.models.loader import load_model
@@ -154,7 +156,8 @@ def build_engine(config: EngineConfig) -> EngineBundle:
         torch.set_num_threads(config.resolved_threads())
     torch.manual_seed(config.seed)
     t0 = time.perf_counter()
-    loaded = load_model(config.model, device=config.device, dtype=config.torch_dtype())
+    extra = {} if expert_parallel is None else {"expert_parallel": expert_parallel}
+    loaded = load_model(config.model, device=config.device, dtype=config.torch_dtype(), **extra)
     logger.info("loaded %s in %.1fs", loaded.name, time.perf_counter() - t0)
     runner = TorchRunner(config, loaded)
     eos = tuple(loaded.config.eos_token_ids)

@@ -11,6 +11,8 @@ from kvmesh.protocol.hashing import DEFAULT_BLOCK_SIZE
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PEER_TRANSPORTS = ("auto", "tcp", "shm")
+EXPERT_PLACEMENTS = ("linear", "round_robin")
+DEFAULT_DP_RPC_PORT = 29550  # vLLM's --data-parallel-rpc-port default
 
 
 @dataclass(slots=True)
@@ -43,7 +45,16 @@ class EngineConfig:
     kv_offloading_async: bool = True  # tier loads on a copy worker; False: inline in the step
     kv_peer_allowlist: str | None = None  # comma-separated host:port peers that may be pulled
     kv_peer_transport: str = "auto"  # auto (shm on one host, else tcp), tcp or shm
-    data_parallel_rank: int = 0
+    data_parallel_size: int = 1
+    # given with --data-parallel-size > 1: this server is that one rank (vLLM's external LB);
+    # the flag is only set when given (commands.flags), so not giving it means internal LB
+    data_parallel_rank: int = field(default=0, metadata={"only_when_given": True})
+    data_parallel_address: str = "127.0.0.1"  # where the ranks' process group meets
+    data_parallel_rpc_port: int | None = None  # None: a free port (internal LB), else 29550
+    enable_expert_parallel: bool = False  # MoE experts sharded over the DP ranks (lockstep)
+    expert_placement_strategy: str = "linear"
+    enable_eplb: bool = False
+    eplb_config: str | None = None  # JSON as vLLM's --eplb-config (dp.eplb_config)
     # where HTTP listens (cli.py's --host, so no generated flag): a wildcard KV event
     # endpoint (tcp://*:PORT) binds this address, never wider
     host: str = "127.0.0.1"
@@ -85,6 +96,7 @@ class EngineConfig:
                 raise ValueError(f"--kv-peer-allowlist entries must be host:port, got {peer!r}")
         if self.kv_peer_transport not in PEER_TRANSPORTS:
             raise ValueError(f"--kv-peer-transport must be one of {PEER_TRANSPORTS}")
+        self._check_parallel()
         for name in ("api_key", "admin_api_key", "kv_transfer_api_key"):
             validate_key("--" + name.replace("_", "-"), getattr(self, name))
         if (
@@ -95,6 +107,39 @@ class EngineConfig:
             raise ValueError(
                 "without chunked prefill --max-num-batched-tokens must be >= --max-model-len"
             )
+
+    def _check_parallel(self) -> None:
+        from kvmesh.engine.dp.eplb_config import EPLBConfig
+
+        if self.data_parallel_size < 1:
+            raise ValueError("--data-parallel-size must be at least 1")
+        if self.data_parallel_rank < 0 or (
+            self.data_parallel_size > 1 and self.data_parallel_rank >= self.data_parallel_size
+        ):
+            raise ValueError(
+                f"--data-parallel-rank must be in [0, {self.data_parallel_size}), "
+                f"got {self.data_parallel_rank}"
+            )
+        port = self.data_parallel_rpc_port
+        if port is not None and not 0 < port < 65536:
+            raise ValueError(f"--data-parallel-rpc-port must be a TCP port, got {port}")
+        if self.expert_placement_strategy not in EXPERT_PLACEMENTS:
+            raise ValueError(f"--expert-placement-strategy must be one of {EXPERT_PLACEMENTS}")
+        if self.enable_expert_parallel and self.data_parallel_size < 2:
+            raise ValueError(
+                "--enable-expert-parallel shards the experts over the data-parallel ranks: "
+                "it needs --data-parallel-size 2 or more"
+            )
+        if self.enable_eplb and not self.enable_expert_parallel:
+            raise ValueError("--enable-eplb needs --enable-expert-parallel")
+        if self.eplb_config is not None and not self.enable_eplb:
+            raise ValueError("--eplb-config needs --enable-eplb")
+        EPLBConfig.from_json(self.eplb_config)  # raises ValueError when malformed
+
+    def eplb(self):  # -> dp.eplb_config.EPLBConfig
+        from kvmesh.engine.dp.eplb_config import EPLBConfig
+
+        return EPLBConfig.from_json(self.eplb_config)
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -67,6 +67,9 @@ class EngineCore:
         self.advertise = ("127.0.0.1", 0)  # host and port peers reach this engine at
         self.last_import_seconds = 0.0  # modelled transfer time of the last import (emulation)
         self._copy_seconds_seen = 0.0  # runner tier-copy time already counted in metrics
+        # ranks in lockstep (dp.lockstep): a step that schedules nothing still runs one idle
+        # forward, so this rank joins every MoE collective its peers' forwards issue
+        self.lockstep = False
 
     def add_request(self, request: Request) -> None:
         p = request.sampling
@@ -98,6 +101,8 @@ class EngineCore:
         step_start = time.monotonic()
         out = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
+        if out.empty and self.lockstep:
+            self.runner.run_idle_step()
         if not out.empty:
             block_ids = {}  # the runner's view of each request's blocks, when it reads them
             if self.runner.reads_block_ids:

@@ -24,6 +24,7 @@ from kvmesh.protocol.openai import (
     encode_json,
     error_body,
 )
+from kvmesh.protocol.zmq_events import offset_endpoint
 
 logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 32 * 2**20
@@ -64,6 +65,9 @@ async def error_middleware(request: web.Request, handler):
 
 
 async def health(request: web.Request) -> web.Response:
+    failed = request.app[BUNDLE].engine.failed
+    if failed is not None:  # e.g. a data-parallel peer is gone: this engine cannot step
+        return _json(error_body(f"Engine stopped: {failed}", 503), 503)
     return web.Response(status=200)
 
 
@@ -129,8 +133,15 @@ async def version(request: web.Request) -> web.Response:
 
 
 async def kv_event_sources(request: web.Request) -> web.Response:
+    """{rank: its publisher's settings}, with the endpoints this rank binds (port + rank)."""
     b: EngineBundle = request.app[BUNDLE]
-    return _json({str(b.config.data_parallel_rank): b.kv_events_dict})
+    rank, source = b.config.data_parallel_rank, b.kv_events_dict
+    if source and rank:
+        source = dict(source)
+        for name in ("endpoint", "replay_endpoint"):
+            if source.get(name):
+                source[name] = offset_endpoint(source[name], rank)
+    return _json({str(rank): source})
 
 
 async def reset_prefix_cache(request: web.Request) -> web.Response:
@@ -282,8 +293,10 @@ def serve(bundle: EngineBundle, host: str = "127.0.0.1", port: int = 8000) -> No
 
     async def main() -> None:
         runner = await start_server(bundle, host, port)
+        bound = runner.addresses[0][1]  # --port 0: the port it got
         print(
-            f"kvmesh engine ready: http://{host}:{port}/v1  (model {bundle.model_name})", flush=True
+            f"kvmesh engine ready: http://{host}:{bound}/v1  (model {bundle.model_name})",
+            flush=True,
         )
         try:
             await wait_for_shutdown()

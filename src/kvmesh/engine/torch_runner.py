@@ -101,6 +101,14 @@ class TorchRunner(ModelRunner):
         )
         return {rid: (tok, lp) for rid, tok, lp in zip(ids, tokens, logprobs, strict=True)}
 
+    @torch.inference_mode()
+    def run_idle_step(self) -> None:
+        """This rank's forward in a lockstep step it has no tokens for: every MoE layer's
+        collectives with zero local tokens (a dense model has none, so nothing runs)."""
+        idle = getattr(self.model, "run_idle_step", None)
+        if idle is not None:
+            idle()
+
     def release(self, request_id: str) -> None:
         self.sampler.forget(request_id)
 
