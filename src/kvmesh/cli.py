@@ -42,6 +42,16 @@ BENCH_COMMANDS = {
         "kvmesh.bench.tier_stall_bench",
         "Decode stall while another request's prefix loads from disk: sync vs async loads.",
     ),
+    "ep": (
+        "kvmesh.bench.ep_bench",
+        "Wide EP (DP8/16/32 with EP) vs TP8 on the emulated GLM-5.2-class MoE at rising "
+        "concurrency, in virtual time: output tok/s per GPU, ITL, TTFT.",
+    ),
+    "up": (
+        "kvmesh.bench.up_bench",
+        "`kvmesh up` (supervised engine and router processes) vs the same engines behind a "
+        "separate `kvmesh router`: hit rate, KV-event lag, TTFT on a Mooncake-format trace.",
+    ),
     "chaos": (
         "kvmesh.bench.chaos",
         "Engine and router kills, dropped KV events, 5xx, hangs and stalls on an emulated fleet "

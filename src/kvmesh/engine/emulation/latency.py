@@ -23,6 +23,7 @@ class AcceleratorSpec:
     mfu: float = 0.55  # attainable fraction of peak FLOPs in large GEMMs
     mbu: float = 0.80  # attainable fraction of peak memory bandwidth
     source: str = ""
+    fp8_flops: float = 0.0  # dense fp8 FLOP/s (0: no fp8 tensor cores; GEMMs run at peak_flops)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,10 +42,28 @@ class ModelSpec:
     expert_params: float = 0.0  # parameters in routed experts (all of them)
     max_model_len: int = 131072
     source: str = ""
+    num_dense_layers: int = 0  # leading layers with a dense FFN instead of routed experts
+    attention: str = "gqa"  # "mla": one latent KV head, so every TP rank holds all of the KV
 
     @property
     def weight_bytes(self) -> float:
         return self.total_params * self.bytes_per_param
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.num_dense_layers if self.num_experts else 0
+
+    @property
+    def dense_active_params(self) -> float:
+        """Parameters every token reads outside the routed experts (attention, dense FFN
+        layers, shared experts, output head): the active count less the routed experts' part."""
+        routed = self.expert_params * self.experts_per_token / max(1, self.num_experts)
+        return self.active_params - routed
+
+    @property
+    def expert_size(self) -> float:
+        """Parameters of one routed expert in one MoE layer."""
+        return self.expert_params / max(1, self.num_moe_layers * self.num_experts)
 
 
 GIB = 2**30
@@ -55,8 +74,9 @@ ACCELERATORS: dict[str, AcceleratorSpec] = {
         3.35e12,
         80 * 1e9,
         450e9,
-        source="NVIDIA H100 datasheet (SXM5: 989 TFLOPS bf16 dense, 3.35 TB/s,"
-        " NVLink 900 GB/s bidirectional)",
+        source="NVIDIA H100 datasheet (SXM5: 989 TFLOPS bf16 dense, 1,979 TFLOPS fp8 dense,"
+        " 3.35 TB/s, NVLink 900 GB/s bidirectional)",
+        fp8_flops=1979e12,
     ),
     "h200": AcceleratorSpec(
         "H200-SXM-141GB",
@@ -64,7 +84,9 @@ ACCELERATORS: dict[str, AcceleratorSpec] = {
         4.8e12,
         141 * 1e9,
         450e9,
-        source="NVIDIA H200 datasheet (989 TFLOPS bf16 dense, 4.8 TB/s HBM3e)",
+        source="NVIDIA H200 datasheet (989 TFLOPS bf16 dense, 1,979 TFLOPS fp8 dense,"
+        " 4.8 TB/s HBM3e, NVLink 900 GB/s bidirectional)",
+        fp8_flops=1979e12,
     ),
     "a100": AcceleratorSpec(
         "A100-SXM-80GB",
@@ -86,6 +108,40 @@ ACCELERATORS: dict[str, AcceleratorSpec] = {
         " (order-of-magnitude figures)",
     ),
 }
+
+
+@dataclass(frozen=True, slots=True)
+class LinkSpec:
+    """A link GPUs exchange activations over: bandwidth per GPU per direction, the fixed cost of
+    one collective on it, and the share of line rate collectives attain."""
+
+    name: str
+    bandwidth: float  # bytes/s per GPU per direction
+    latency: float  # s per collective (launch, synchronisation, one switch hop)
+    # attainable share of `bandwidth` in all-to-all / all-reduce: expert-parallel kernels
+    # (DeepEP's published runs) and NCCL reach most of line rate on large messages
+    efficiency: float = 0.8
+    source: str = ""
+
+
+LINKS: dict[str, LinkSpec] = {
+    "nvlink4": LinkSpec(
+        "NVLink-4",
+        450e9,
+        8e-6,
+        source="NVIDIA H100/H200 SXM datasheets: NVLink 900 GB/s per GPU bidirectional, i.e."
+        " 450 GB/s each way through the NVSwitch; 8 us per collective as the TP roofline charges",
+    ),
+    "ib-400g": LinkSpec(
+        "InfiniBand/RoCE-400G",
+        50e9,
+        20e-6,
+        source="one 400 Gb/s ConnectX-7 NIC per GPU (DGX/HGX H100 and H200 layout) = 50 GB/s"
+        " each way; ~20 us per GPU-initiated RDMA all-to-all (order of magnitude: NIC and switch"
+        " hops plus completion signalling)",
+    ),
+}
+GPUS_PER_NODE = 8  # HGX H100 / H200 baseboards: 8 GPUs on one NVSwitch domain
 
 
 def _dense(name, params, layers, hidden, heads, kv_heads, head_dim, ctx, source) -> ModelSpec:
@@ -130,6 +186,8 @@ MODELS: dict[str, ModelSpec] = {
         "meta-llama/Llama-3.1-70B config.json",
     ),
     # MLA latent (512) + rope key (64) per layer; FP8 weights; 256 routed experts, 8 per token.
+    # Routed experts: 75 MoE layers (3 leading dense) x 256 x 3 x hidden 6144 x moe 2048
+    # = 724.8e9 parameters (GLM-5 config: first_k_dense_replace 3, moe_intermediate_size 2048).
     "glm-5.2-moe": ModelSpec(
         "GLM-5.2-class-MoE",
         753e9,
@@ -142,10 +200,12 @@ MODELS: dict[str, ModelSpec] = {
         bytes_per_param=1.0,
         num_experts=256,
         experts_per_token=8,
-        expert_params=700e9,
+        expert_params=724.8e9,
         max_model_len=202752,
-        source="GLM-5 class published totals (~753B total, ~39B active, MLA"
-        " attention); layer count and expert split approximate",
+        source="GLM-5 class published totals (~753B total incl. the MTP layer, ~39B active,"
+        " MLA attention); GLM-5 config: 78 layers, 3 dense, 256 experts of 2048, top-8",
+        num_dense_layers=3,
+        attention="mla",
     ),
 }
 
