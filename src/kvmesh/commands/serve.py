@@ -60,7 +60,8 @@ ENGINE_HELP = {
     "data_parallel_size": "Data-parallel ranks: N processes, each with its own scheduler, "
     "block pool, prefix cache and KV cache, in one torch.distributed group (gloo on CPU, NCCL on "
     "CUDA), behind one front door on --port that sends each request to the rank with the fewest "
-    "running + waiting requests, or to the one its X-data-parallel-rank header names.",
+    "running + waiting requests, or to the one its X-data-parallel-rank header names. Emulated "
+    "(--emulate-model ...): N emulated ranks in one process behind the same front door.",
     "data_parallel_rank": "With --data-parallel-size N: serve only this rank, on --port, joining "
     "the group at --data-parallel-address:--data-parallel-rpc-port (vLLM's external load "
     "balancing: a router in front of the N servers). Alone: this engine's rank (metrics label "
@@ -95,7 +96,9 @@ ENGINE_HELP = {
 
 EMULATION_HELP = {
     "emulate_gpu": "Emulated accelerator: h100, h200, a100, cpu.",
-    "emulate_model": "Emulated model: llama-3.1-8b, qwen3-32b, llama-3.1-70b, glm-5.2-moe.",
+    "emulate_model": "Emulated model: llama-3.1-8b, qwen3-32b, llama-3.1-70b, glm-5.2-moe "
+    "(`serve`: --emulate-model, --emulate-gpu or --emulate-ttft-ms away from its default "
+    "implies --emulate).",
     "tensor_parallel_size": "Emulated tensor-parallel ranks (weights and work split across).",
     "gpu_memory_utilization": "Fraction of accelerator memory for weights + KV cache.",
     "step_overhead_ms": "Fixed time added to every emulated step (scheduling, launch).",
@@ -157,10 +160,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     emu = None
     try:
         config = _engine_config(args)
-        if args.emulate:
-            from kvmesh.engine.emulation.builder import EmulationConfig
+        from kvmesh.engine.emulation.builder import EmulationConfig
 
-            emu = config_from_args(EmulationConfig, args)
+        given, base = config_from_args(EmulationConfig, args), EmulationConfig()
+        # `serve` emulates when asked (--emulate) or when an --emulate-* flag leaves its default
+        named = (given.emulate_model, given.emulate_gpu, given.emulate_ttft_ms)
+        if args.emulate or (
+            args.command == "serve" and named != (base.emulate_model, base.emulate_gpu, None)
+        ):
+            emu = given
         if args.command == "up":
             up_router_config(config, args, [])  # its flags are checked before anything starts
     except ValueError as exc:
@@ -172,12 +180,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return run_up(config, emu, args)
     if emu is not None:
         if config.data_parallel_size > 1:
-            print(
-                "kvmesh serve: --data-parallel-size needs a real model, not --emulate "
-                "(emulated engines scale out with --emulate N)",
-                file=sys.stderr,
-            )
-            return 2
+            return run_emulated_data_parallel(config, emu, args)
         return run_emulated(config, emu, args)
     if config.data_parallel_size > 1:
         return serve_data_parallel(config, args)
@@ -213,13 +216,28 @@ def serve_data_parallel(config: EngineConfig, args: argparse.Namespace) -> int:
         return 1
 
 
+def run_emulated_data_parallel(config: EngineConfig, emu, args: argparse.Namespace) -> int:
+    """One emulated DP (or DP/EP) instance: N rank engines behind one front door on --port."""
+    if args.emulate > 1:
+        print(
+            "kvmesh serve: --emulate N with --data-parallel-size: one emulated instance only",
+            file=sys.stderr,
+        )
+        return 2
+    from kvmesh.engine.emulation.dp_server import serve_emulated_data_parallel
+    from kvmesh.engine.tokenizer import load_tokenizer
+
+    tokenizer, _ = load_tokenizer(config.model)
+    return serve_emulated_data_parallel(config, emu, tokenizer, args.host, args.port)
+
+
 def run_emulated(config: EngineConfig, emu, args: argparse.Namespace) -> int:
     """`kvmesh serve --emulate N`: N emulated engines on consecutive ports from --port."""
     from kvmesh.engine.emulation.host import EmulatedFleet
     from kvmesh.engine.server import run, wait_for_shutdown
     from kvmesh.engine.tokenizer import load_tokenizer
 
-    count = args.emulate
+    count = args.emulate or 1
     tokenizer, _ = load_tokenizer(config.model)
 
     async def main() -> None:

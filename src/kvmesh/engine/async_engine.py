@@ -171,6 +171,9 @@ class AsyncEngine:
                     self.timeline_restarts += 1
                 outputs.extend(self._step())
                 deadline = start + self.core.runner.last_step_time * scale
+                clock = getattr(self.core.runner, "lockstep_clock", None)
+                if clock is not None:  # emulated lockstep: every rank's step ends with the group's
+                    deadline = await clock.step_end(deadline)
                 delay = deadline - loop.time()
                 await asyncio.sleep(delay if delay > 0 else 0)  # 0: let handlers run
             elif not outputs:

@@ -90,16 +90,23 @@ def with_vllm_batch_defaults(config: EngineConfig, emu: EmulationConfig) -> Engi
 
 
 def build_emulated_engine(
-    config: EngineConfig, emu: EmulationConfig, tokenizer, tokenizer_name: str = "tokenizer"
+    config: EngineConfig,
+    emu: EmulationConfig,
+    tokenizer,
+    tokenizer_name: str = "tokenizer",
+    latency: LatencyModel | None = None,
 ) -> EngineBundle:
+    """`latency` replaces the one `emu` names (a lockstep rank's clock, say); the KV cache
+    takes what it leaves of the card, unless --num-gpu-blocks says otherwise."""
     config = with_vllm_batch_defaults(config, emu)
-    latency = emu.latency_model()
+    latency = latency or emu.latency_model()
     spec = MODELS[emu.emulate_model]
+    capacity = latency.kv_capacity_bytes()
     if config.num_gpu_blocks is not None:
         num_blocks = config.num_gpu_blocks
-    elif isinstance(latency, RooflineLatency):
+    elif capacity is not None:
         per_block = spec.kv_bytes_per_token * config.block_size
-        num_blocks = int(latency.kv_capacity_bytes() // per_block)
+        num_blocks = int(capacity // per_block)
     else:
         num_blocks = 8192
     max_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)

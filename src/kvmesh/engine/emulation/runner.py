@@ -48,6 +48,9 @@ class EmulatedRunner(ModelRunner):
         self.max_model_len = min(max_model_len, num_blocks * block_size)
         self.slowdown = slowdown
         self.faults = None  # a FaultInjector whose slowdown applies on top, when set
+        # a RankClock when this rank steps in an emulated lockstep group (dp_clock): the
+        # AsyncEngine then ends each step when the group's step ends
+        self.lockstep_clock = None
         spec = getattr(latency, "model", None)
         self.kv_bytes_per_block = (spec.kv_bytes_per_token * block_size) if spec else 0
         self.transfer_bandwidth = NETWORK_BANDWIDTH
