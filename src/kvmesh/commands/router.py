@@ -112,13 +112,18 @@ def cmd_router(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         try:
-            _, runner = await start_router_from(config, args.host, args.port)
+            router, runner = await start_router_from(config, args.host, args.port)
         except BlockSizeMismatch as exc:
             refused.append(str(exc))
             return
+        # what the router serves now: the endpoints file read, servers split into their
+        # data-parallel ranks; the port bound (--port 0: the one the system chose)
+        port = runner.server.sockets[0].getsockname()[1] if runner.server.sockets else args.port
+        endpoints = router.pool.endpoints.values()
+        healthy = sum(1 for e in endpoints if e.healthy)
         print(
-            f"kvmesh router ready: http://{args.host}:{args.port}/v1 "
-            f"({len(config.endpoints)} endpoints, preset {config.preset})",
+            f"kvmesh router ready: http://{args.host}:{port}/v1 ({len(endpoints)} endpoints, "
+            f"{healthy} healthy, preset {config.preset})",
             flush=True,
         )
         try:
