@@ -156,6 +156,11 @@ def build_engine(config: EngineConfig, expert_parallel=None) -> EngineBundle:
         torch.set_num_threads(config.resolved_threads())
     torch.manual_seed(config.seed)
     t0 = time.perf_counter()
+    logger.info(
+        "loading %s on %s (the embedded model takes 10-40 s on a small CPU)...",
+        config.model or "the embedded SmolLM2-135M-Instruct",
+        config.device,
+    )
     extra = {} if expert_parallel is None else {"expert_parallel": expert_parallel}
     loaded = load_model(config.model, device=config.device, dtype=config.torch_dtype(), **extra)
     logger.info("loaded %s in %.1fs", loaded.name, time.perf_counter() - t0)
