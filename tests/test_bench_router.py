@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 from pathlib import Path
 
 from kvmesh.bench.router_bench import add_args, main
 from kvmesh.bench.router_client import Response
+from kvmesh.bench.router_rounds import median_rows
 
 
 def _feed_split(raw: bytes, step: int) -> Response:
@@ -49,7 +51,7 @@ def test_help_explains_what_is_measured() -> None:
 def test_quick_run_reports_latency_rate_cpu_and_scheduling(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     add_args(parser)
-    assert main(parser.parse_args(["--quick", "--out", str(tmp_path)])) == 0
+    assert main(parser.parse_args(["--quick", "--rounds", "2", "--out", str(tmp_path)])) == 0
     result = json.loads((tmp_path / "router.json").read_text())
     assert (tmp_path / "router.png").stat().st_size > 0
     assert {"config", "pinning", "skipped", "fleets", "micro", "targets"} <= set(result)
@@ -67,6 +69,9 @@ def test_quick_run_reports_latency_rate_cpu_and_scheduling(tmp_path: Path) -> No
         assert math.isfinite(lat["added_p50_ms"]) and math.isfinite(lat["added_p99_ms"])
     tp = row["throughput"]
     assert tp["req_s"] > 0 and tp["errors"] == 0
+    assert len(row["rounds"]) == 2  # each figure: the median of the rounds'
+    both = [r["throughput"]["router_cpu_us_per_req"] for r in row["rounds"]]
+    assert tp["router_cpu_us_per_req"] == round(statistics.median(both), 4)
     assert tp["router_cpu_us_per_req"] > 0 and tp["engines_cpu_us_per_req"] > 0
     micro = result["micro"]
     assert micro["endpoints"] == 64 and micro["blocks"] > 0
@@ -75,3 +80,14 @@ def test_quick_run_reports_latency_rate_cpu_and_scheduling(tmp_path: Path) -> No
             assert micro[phase][part]["p50"] > 0 and micro[phase][part]["p99"] > 0
     assert "kvmesh_added_p50_ms" in result["targets"]["engines_2"]["small"]
     assert result["targets"]["schedule_warm_p50_ms"] > 0
+
+
+def test_rounds_combine_as_the_median_of_each_figure() -> None:
+    rows = [
+        {"latency": {"small": {"added_p50_ms": v, "n": 30}}, "throughput": {"req_s": 10 * v}}
+        for v in (0.3, 0.1, 0.2)
+    ] + [{"latency": {"small": {"added_p50_ms": 9.0, "n": 30}}, "throughput": {"req_s": 1.0}}]
+    rows[0]["throughput"]["note"] = "kept from the first"
+    out = median_rows(rows)
+    assert out["latency"]["small"] == {"added_p50_ms": 0.25, "n": 30}
+    assert out["throughput"] == {"req_s": 1.5, "note": "kept from the first"}

@@ -9,20 +9,17 @@ CPU time per request; then times the kvmesh scheduling path in-process on a long
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import json
 import os
 import textwrap
 import time
 from pathlib import Path
 
-from kvmesh.bench.router_client import Conn, closed_loop, completion_body, prompt_text
+from kvmesh.bench.router_client import Conn, completion_body, prompt_text
 from kvmesh.bench.router_client import request_bytes as raw_request
 from kvmesh.bench.router_micro import run_micro
 from kvmesh.bench.router_procs import (
     ALL_TARGETS,
-    Proc,
     Target,
     peer_bin,
     pinning,
@@ -32,6 +29,7 @@ from kvmesh.bench.router_procs import (
     start_router,
 )
 from kvmesh.bench.router_report import plot, print_tables, targets_summary
+from kvmesh.bench.router_rounds import measure_rate, median_rows
 from kvmesh.protocol.stats import percentile
 
 CASES = (  # name, prompt kind, streaming (then the first body byte is timed, not the end)
@@ -47,6 +45,8 @@ EPILOG = """What is measured, for each fleet size and each router (one at a time
                  and streaming (time to the first body byte = first SSE event, max_tokens 4)
   req/s          closed loop at --concurrency connections, small prompt, non-streaming
   CPU us/req     router process group utime+stime (/proc/PID/stat) over that window / answers
+  --rounds N     every router measured N times in turn (A B C, A B C, ...); each figure is the
+                 median of its N, the N in router.json
   scheduling     in-process: a --micro-tokens prompt over --micro-endpoints endpoints, kvmesh
                  preset, precise index holding parts of the prefix on several endpoints;
                  warm = prefix seen (tokenizer and block-hash caches hit), cold = from scratch
@@ -66,6 +66,7 @@ FLAGS = (  # flag, type, default, help
     ("--concurrency", int, 32, "Connections of the closed loop."),
     ("--duration", float, 5.0, "Seconds of the measured closed-loop window."),
     ("--warmup", float, 1.0, "Seconds of closed loop before the window."),
+    ("--rounds", int, 1, "Rounds of every router in turn; each figure is its median over them."),
     ("--sglang-router-bin", str, None, "sglang-router executable (default: from PATH)."),
     ("--vllm-router-bin", str, None, "vllm-router executable (default: from PATH)."),
     ("--micro-tokens", int, 16384, "Prompt tokens of the scheduling micro-benchmark."),
@@ -139,54 +140,6 @@ def measure_latency(router: str, engines: list[str], model: str | None, n: int, 
     return out, direct_all
 
 
-def _loop_runner():
-    with contextlib.suppress(ImportError):
-        import uvloop
-
-        return asyncio.Runner(loop_factory=uvloop.new_event_loop)
-    return asyncio.Runner()
-
-
-def measure_rate(urls: list[str], model: str | None, args, router: Proc | None, engines: Proc):
-    text = prompt_text("small", args.seed)
-    raws = [
-        [
-            raw_request(u, "/v1/completions", completion_body(model, f"{text} #{i}", False))
-            for i in range(64)
-        ]
-        for u in urls
-    ]
-    cpu: dict[str, float] = {}
-
-    def edge(tag: str):
-        def snap() -> None:
-            cpu[f"engines_{tag}"] = engines.cpu_seconds()
-            if router is not None:
-                cpu[f"router_{tag}"] = router.cpu_seconds()
-
-        return snap
-
-    with _loop_runner() as runner:
-        stats, wall = runner.run(
-            closed_loop(
-                urls, raws, args.concurrency, args.warmup, args.duration, (edge("0"), edge("1"))
-            )
-        )
-    done = max(1, stats.ok)
-    row = {
-        "req_s": round(stats.ok / wall, 1),
-        "requests": stats.ok,
-        "errors": stats.errors,
-        "engines_cpu_us_per_req": round((cpu["engines_1"] - cpu["engines_0"]) / done * 1e6, 1),
-    }
-    if router is not None:
-        row["router_cpu_us_per_req"] = round((cpu["router_1"] - cpu["router_0"]) / done * 1e6, 1)
-        row["router_cpu_share"] = round((cpu["router_1"] - cpu["router_0"]) / wall, 3)
-    if stats.errors:
-        row["statuses"] = {str(k): v for k, v in stats.statuses.items()}
-    return row
-
-
 def run_fleet(n: int, targets: list[Target], bins: dict, prefix: list[str], args) -> dict:
     engines, urls = start_engines(n, prefix, args.out)
     fleet: dict = {"engines": n, "urls": urls, "routers": [], "failed": []}
@@ -201,32 +154,31 @@ def run_fleet(n: int, targets: list[Target], bins: dict, prefix: list[str], args
         print(f"[{n} engines] direct closed loop ...", flush=True)
         fleet["direct"] = {"throughput": measure_rate(urls, model, args, None, engines)}
         pooled: dict[str, list[float]] = {}
+        rounds: dict[str, list[dict]] = {}  # router label -> its rounds, in order
+        for r in range(args.rounds):  # every router once per round: noise spreads over all
+            for t in targets:
+                print(f"[{n} engines] {t.label} (round {r + 1}/{args.rounds}) ...", flush=True)
+                try:
+                    proc, url = start_router(t, urls, prefix, bins, args.out)
+                except RuntimeError as exc:
+                    fleet["failed"].append({"router": t.label, "error": str(exc)[-600:]})
+                    continue
+                try:
+                    lat, direct = measure_latency(url, urls, model, args.requests, args.seed)
+                    rate = measure_rate([url], model, args, proc, engines)
+                except (RuntimeError, OSError) as exc:
+                    fleet["failed"].append({"router": t.label, "error": repr(exc)[-600:]})
+                    continue
+                finally:
+                    proc.stop()
+                for name, samples in direct.items():
+                    pooled.setdefault(name, []).extend(samples)
+                rounds.setdefault(t.label, []).append({"latency": lat, "throughput": rate})
         for t in targets:
-            print(f"[{n} engines] {t.label} ...", flush=True)
-            try:
-                proc, url = start_router(t, urls, prefix, bins, args.out)
-            except RuntimeError as exc:
-                fleet["failed"].append({"router": t.label, "error": str(exc)[-600:]})
-                continue
-            try:
-                lat, direct = measure_latency(url, urls, model, args.requests, args.seed)
-                rate = measure_rate([url], model, args, proc, engines)
-            except (RuntimeError, OSError) as exc:
-                fleet["failed"].append({"router": t.label, "error": repr(exc)[-600:]})
-                continue
-            finally:
-                proc.stop()
-            for name, samples in direct.items():
-                pooled.setdefault(name, []).extend(samples)
-            fleet["routers"].append(
-                {
-                    "router": t.label,
-                    "kind": t.kind,
-                    "policy": t.policy,
-                    "latency": lat,
-                    "throughput": rate,
-                }
-            )
+            done = rounds.get(t.label)
+            if done:  # the median of each figure over its rounds
+                row = {"router": t.label, "kind": t.kind, "policy": t.policy, **median_rows(done)}
+                fleet["routers"].append({**row, "rounds": done} if len(done) > 1 else row)
         fleet["direct"]["latency"] = {name: _ms(v) for name, v in pooled.items()}
     finally:
         engines.stop()
