@@ -39,14 +39,16 @@ class Recorded(up.Stack):
         Recorded.last = self
 
 
-def run_with(monkeypatch, engine: str, router: str, healthy: bool = True) -> int:
+def run_with(
+    monkeypatch, engine: str, router: str, healthy: bool = True, port: str = "9300"
+) -> int:
     monkeypatch.setattr(up, "engine_command", lambda *a: [sys.executable, "-c", engine])
     monkeypatch.setattr(up, "router_command", lambda *a: [sys.executable, "-c", router])
     monkeypatch.setattr(up, "_healthy", lambda url: healthy)
     monkeypatch.setattr(up, "_model_name", lambda url, key: "m")
     monkeypatch.setattr(up, "GRACE_S", 0.5)
     monkeypatch.setattr(up, "Stack", Recorded)
-    args = build_parser().parse_args(["up", "--port", "9300"])
+    args = build_parser().parse_args(["up", "--port", port])
     return up.run_up(_engine_config(args), None, args)
 
 
@@ -60,6 +62,19 @@ def test_sigterm_is_forwarded_and_a_child_that_ignores_it_is_killed(monkeypatch,
     assert children_gone() == {"engine": -signal.SIGKILL, "router": -signal.SIGTERM}
     assert "kvmesh ready: http://127.0.0.1:9300/v1 (router; model m;" in capsys.readouterr().out
     assert signal.getsignal(signal.SIGTERM) is not Recorded.last.on_signal  # handlers restored
+
+
+def test_port_0_puts_router_and_engines_on_a_run_of_free_ports(monkeypatch, capsys):
+    assert run_with(monkeypatch, IGNORES_SIGTERM, SLEEP, port="0") == 0
+    out = capsys.readouterr().out
+    start = out.split("starting the engine (loading its model) on port ")[1]
+    engine_port, router_port = int(start.split(",")[0]), int(start.split("router on port ")[1][:5])
+    assert engine_port == router_port + 1 and 1024 < router_port < 32_000
+    assert f"kvmesh ready: http://127.0.0.1:{router_port}/v1" in out
+    base = up.free_run(4)
+    for port in range(base, base + 4):  # all free together
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
 
 
 def test_a_child_that_dies_stops_the_others_and_up_exits_with_its_code(monkeypatch, capsys):
@@ -76,20 +91,6 @@ def test_an_engine_that_fails_to_start_ends_up_before_the_router_starts(monkeypa
     assert "kvmesh ready" not in capsys.readouterr().out
 
 
-def free_block(count: int) -> int:
-    """A base port with base..base+count-1 free (below the ephemeral range)."""
-    for base in range(20_000 + os.getpid() % 5_000, 32_000, 7):
-        with contextlib.ExitStack() as stack:
-            try:
-                for port in range(base, base + count):
-                    s = stack.enter_context(socket.socket())
-                    s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return base
-    raise RuntimeError("no free port block")
-
-
 def stream(url: str, done: list[str]) -> None:
     body = json.dumps({"prompt": "a story " * 50, "max_tokens": 3000, "stream": True}).encode()
     req = urllib.request.Request(url, body, {"Content-Type": "application/json"})
@@ -104,7 +105,7 @@ def stream(url: str, done: list[str]) -> None:
 
 @pytest.mark.slow  # about 15 s on a small host: two interpreters load the tokenizer
 def test_kvmesh_up_under_load_stops_on_sigterm_and_leaves_no_process():
-    port = free_block(3)
+    port = up.free_run(3)
     cmd = [sys.executable, "-m", "kvmesh.cli", "--log-level", "WARNING", "up", "--emulate", "2"]
     proc = subprocess.Popen(
         [*cmd, "--port", str(port)], stdout=subprocess.PIPE, text=True, start_new_session=True

@@ -20,6 +20,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -211,6 +212,21 @@ def _model_name(url: str, key: str | None) -> str:
         return "?"
 
 
+def free_run(n: int, host: str = "127.0.0.1") -> int:
+    """A port P with P .. P+n-1 all free (bound together to check), below the ephemeral range
+    so no outgoing connection takes one meanwhile: `--port 0` puts the router on P and the
+    engines, which one `kvmesh serve` puts on consecutive ports, after it."""
+    for base in range(20_000 + os.getpid() % 5_000, 32_000 - n, 7):
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in range(base, base + n):
+                    stack.enter_context(socket.socket()).bind((host, port))
+            except OSError:
+                continue
+            return base
+    raise OSError(f"no run of {n} free ports on {host}")
+
+
 def run_up(config: EngineConfig, emu, args: argparse.Namespace) -> int:
     """The engine(s) and the router as child processes until SIGINT/SIGTERM or a child's exit."""
     from kvmesh.commands.serve import up_router_config
@@ -218,6 +234,15 @@ def run_up(config: EngineConfig, emu, args: argparse.Namespace) -> int:
     count = args.emulate if emu is not None else 1
     config, folder = with_ipc_events(config)
     local = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    if args.port == 0:  # not port 0 + 1 .. for the engines: a run of free ports
+        args.port = free_run(count + 1, local)
+    kind = f"{count} emulated engine(s)" if emu is not None else "the engine (loading its model)"
+    print(
+        f"kvmesh up: starting {kind} on port {args.port + 1}"
+        + (f"-{args.port + count}" if count > 1 else "")
+        + f", then the router on port {args.port} ...",
+        flush=True,
+    )
     engines = [f"http://{local}:{args.port + 1 + i}" for i in range(count)]
     rcfg = up_router_config(config, args, engines)
     stack = Stack(child_env(config))
