@@ -18,7 +18,7 @@ def req(rid: str, n: int, start: int = 0, **kw) -> Request:
 
 def step(s: Scheduler, token: int = 7):
     out = s.schedule()
-    sampled = {x.request.request_id: (token, None) for x in out.scheduled if x.samples}
+    sampled = {x.request.request_id: ([token], None) for x in out.scheduled if x.samples}
     s.update_from_output(out, sampled)
     return out
 

@@ -35,13 +35,13 @@ def step(sched: Scheduler, kv: KVCacheManager, copier: FakeCopier) -> list[str]:
         table = kv.req_to_blocks[req.request_id]
         for i in range(start // BS, min((start + item.num_tokens) // BS, len(req.block_hashes))):
             copier.device[table[i].block_id] = req.block_hashes[i]
-    sampled = {s.request.request_id: (5, None) for s in out.scheduled if s.samples}
+    sampled = {s.request.request_id: ([5], None) for s in out.scheduled if s.samples}
     progressed = sched.update_from_output(out, sampled)
-    for req in progressed:
+    for req, _ in progressed:
         if req.num_output_tokens >= req.sampling.max_tokens:
             sched.finish(req, RequestStatus.FINISHED_LENGTH)
     kv.flush_offload()
-    return [r.request_id for r in progressed]
+    return [r.request_id for r, _ in progressed]
 
 
 def drain(sched, kv, copier, worker) -> None:

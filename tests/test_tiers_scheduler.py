@@ -54,13 +54,13 @@ def run(
             table = kv.req_to_blocks[req.request_id]
             for i in range(start // BS, end // BS):
                 copier.device[table[i].block_id] = tuple(req.all_token_ids[: (i + 1) * BS])
-        sampled = {s.request.request_id: (5, None) for s in step.scheduled if s.samples}
+        sampled = {s.request.request_id: ([5], None) for s in step.scheduled if s.samples}
         progressed = sched.update_from_output(step, sampled)
         for item in step.scheduled:
             req = item.request
             for i, h in enumerate(req.block_hashes):
                 truth[h] = tuple(req.all_token_ids[: (i + 1) * BS])
-        for req in progressed:
+        for req, _ in progressed:
             if req.num_output_tokens >= req.sampling.max_tokens:
                 sched.finish(req, RequestStatus.FINISHED_LENGTH)
         kv.flush_offload()

@@ -83,6 +83,12 @@ ENGINE_HELP = {
     "num_redundant_experts (0), log_balancedness; use_async and communicator are accepted and "
     "ignored (rebalancing is synchronous), policy must be 'default'.",
     "num_threads": "Torch CPU threads (default: all cores available).",
+    "speculative_config": 'Speculative decoding as vLLM\'s JSON, e.g. \'{"method": "ngram", '
+    '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}\' '
+    '(prompt lookup), \'{"method": "mtp", "num_speculative_tokens": 3}\' (the model\'s '
+    'next-n layers, or with "model": a head file; the embedded model ships one: '
+    '"model": "smollm2"); disable_by_batch_size turns it off for large batches. Output '
+    "is what decoding without it gives (greedy: token for token).",
     "api_key": "Key clients must send as `Authorization: Bearer <key>` on the OpenAI routes "
     "(/v1/*) and /tokenize, /detokenize (default: env VLLM_API_KEY; unset: none). /health, "
     "/metrics, /version, /ping, /load and /kv_event_sources stay open.",

@@ -89,6 +89,9 @@ def assemble(
         str(config.dtype),
     )
     core = EngineCore(Scheduler(sched_cfg, kv), runner, tokenizer, metrics, publisher.publish)
+    spec = config.speculative()
+    if spec is not None:
+        core.speculator = make_speculator(spec, runner, metrics, sched_cfg)
     if config.kv_transfer_config:
         core.transfer_config = KVTransferConfig.from_json(config.kv_transfer_config)
         core.held.timeout = core.transfer_config.hold_timeout_s
@@ -117,6 +120,20 @@ def assemble(
         events_dict,
         publisher,
     )
+
+
+def make_speculator(spec, runner: ModelRunner, metrics: EngineMetrics, sched_cfg):
+    """The runner's proposer for a --speculative-config, its counters on the engine's registry;
+    the scheduler reserves the slots the proposer writes ahead of the target."""
+    from kvmesh.engine.spec.metrics import SpecDecodingProm
+    from kvmesh.engine.spec.speculator import Speculator
+
+    spec.resolve(getattr(getattr(runner, "model_config", None), "num_nextn_predict_layers", 0))
+    proposer = runner.proposer(spec)
+    sched_cfg.num_lookahead_tokens = getattr(proposer, "num_lookahead_tokens", 0)
+    prom = SpecDecodingProm(metrics.registry, metrics.labels, spec.num_speculative_tokens)
+    logger.info("speculative decoding: %s", spec.to_dict())
+    return Speculator(spec, proposer, runner.max_model_len, prom)
 
 
 def tier_slots(

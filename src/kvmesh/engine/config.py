@@ -65,6 +65,7 @@ class EngineConfig:
     admin_api_key: str | None = field(default=None, repr=False)
     kv_transfer_api_key: str | None = field(default=None, repr=False)
     num_threads: int | None = None  # torch intra-op threads on CPU
+    speculative_config: str | None = None  # JSON as vLLM's --speculative-config (engine.spec)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -97,6 +98,7 @@ class EngineConfig:
         if self.kv_peer_transport not in PEER_TRANSPORTS:
             raise ValueError(f"--kv-peer-transport must be one of {PEER_TRANSPORTS}")
         self._check_parallel()
+        self.speculative()  # raises ValueError when malformed
         for name in ("api_key", "admin_api_key", "kv_transfer_api_key"):
             validate_key("--" + name.replace("_", "-"), getattr(self, name))
         if (
@@ -135,6 +137,13 @@ class EngineConfig:
         if self.eplb_config is not None and not self.enable_eplb:
             raise ValueError("--eplb-config needs --enable-eplb")
         EPLBConfig.from_json(self.eplb_config)  # raises ValueError when malformed
+
+    def speculative(self):  # -> spec.config.SpeculativeConfig | None
+        if self.speculative_config is None:
+            return None
+        from kvmesh.engine.spec.config import SpeculativeConfig
+
+        return SpeculativeConfig.from_cli(self.speculative_config)
 
     def eplb(self):  # -> dp.eplb_config.EPLBConfig
         from kvmesh.engine.dp.eplb_config import EPLBConfig

@@ -70,6 +70,7 @@ class EngineCore:
         # ranks in lockstep (dp.lockstep): a step that schedules nothing still runs one idle
         # forward, so this rank joins every MoE collective its peers' forwards issue
         self.lockstep = False
+        self.speculator = None  # a spec.Speculator drafts for the next step, when configured
 
     def add_request(self, request: Request) -> None:
         p = request.sampling
@@ -116,12 +117,16 @@ class EngineCore:
             if self.runner.waits_instead_of_computing:  # tokens appear when the step ends
                 now += self.runner.last_step_time
             progressed = self.scheduler.update_from_output(out, sampled)
+            if self.speculator is not None:
+                self.speculator.record(out, sampled)
             if self.step_observer is not None:
                 self.step_observer(
                     self.scheduler, step_start, self.runner.last_step_time, progressed
                 )
-            for request in progressed:
-                outputs.append(self._process_token(request, now))
+            for request, num_new in progressed:
+                outputs.append(self._process_tokens(request, num_new, now))
+            if self.speculator is not None:
+                self.speculator.propose(self.scheduler, out)
             self.kv.flush_offload()  # before the next step writes any device block again
         elif self.kv.loads is not None and self.kv.loads.jobs:
             self.kv.loads.wait()  # only copies in flight: wait for the first to land
@@ -143,13 +148,23 @@ class EngineCore:
         self._record_load()
         return outputs
 
-    def _process_token(self, request: Request, now: float) -> RequestOutput:
+    def _process_tokens(self, request: Request, num_new: int, now: float) -> RequestOutput:
+        """The step's new tokens through the stop checks one at a time, as one-token steps
+        would see them; tokens after a stop are dropped (speculation can emit several)."""
         rid = request.request_id
-        token = request.output_token_ids[-1]
-        logprobs = request.output_logprobs[-1] if request.sampling.logprobs is not None else None
+        first = request.num_output_tokens - num_new
+        tokens = request.output_token_ids[first:]
+        want_logprobs = request.sampling.logprobs is not None
         detok = self.detoks[rid]
-        detok.add(token)
-        if request.num_output_tokens == 1:
+        status = None
+        for i, token in enumerate(tokens):
+            detok.add(token)
+            status = self._check_stop(request, token, detok, first + i + 1)
+            if status is not None:
+                del tokens[i + 1 :]
+                self._drop_tokens_after(request, first + i + 1)
+                break
+        if request.num_output_tokens == len(tokens):
             request.first_token_time = now
             self.metrics.ttft.observe(now - request.arrival_time)
             self.metrics.prompt_tokens.inc(request.num_prompt_tokens)
@@ -158,18 +173,31 @@ class EngineCore:
         else:
             self.metrics.itl.observe(now - self.last_token_time.get(rid, now))
         self.last_token_time[rid] = now
-        self.metrics.generation_tokens.inc()
+        self.metrics.generation_tokens.inc(len(tokens))
 
-        status = self._check_stop(request, token, detok)
         if status is not None:
             self._finish(request, status)
             self.metrics.e2e.observe(now - request.arrival_time)
         text = detok.release(final=status is not None)
-        return self._output(request, [token], [logprobs] if logprobs else None, text)
+        logprobs = request.output_logprobs[first:] if want_logprobs else None
+        return self._output(request, tokens, logprobs or None, text)
 
-    def _check_stop(self, request: Request, token: int, detok) -> RequestStatus | None:
+    @staticmethod
+    def _drop_tokens_after(request: Request, num_output: int) -> None:
+        """Forget verified tokens past a stop: the request ends at num_output outputs."""
+        extra = request.num_output_tokens - num_output
+        if extra > 0:
+            del request.output_token_ids[num_output:]
+            del request.all_token_ids[len(request.all_token_ids) - extra :]
+            del request.output_logprobs[num_output:]
+
+    def _check_stop(
+        self, request: Request, token: int, detok, num_output: int
+    ) -> RequestStatus | None:
+        """Whether the num_output-th output token (token) ends the request."""
         p = request.sampling
-        if request.num_output_tokens >= p.min_tokens:
+        num_tokens = request.num_prompt_tokens + num_output
+        if num_output >= p.min_tokens:
             if not p.ignore_eos and token in request.eos_token_ids:
                 request.stop_reason = None
                 return RequestStatus.FINISHED_STOPPED
@@ -180,9 +208,9 @@ class EngineCore:
             if stop_str is not None:
                 request.stop_reason = stop_str
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= p.max_tokens:
+        if num_output >= p.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.runner.max_model_len:
+        if num_tokens >= self.runner.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
@@ -195,6 +223,8 @@ class EngineCore:
         if keep and blocks is not None:
             self._hold(request, blocks)
         self.runner.release(request.request_id)
+        if self.speculator is not None:
+            self.speculator.forget(request.request_id)
         self.last_token_time.pop(request.request_id, None)
         self.metrics.request_finished(status.finish_reason or "abort")
 

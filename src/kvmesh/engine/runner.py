@@ -8,7 +8,9 @@ from kvmesh.engine.kv_loads import ThreadCopyWorker
 from kvmesh.engine.scheduler import SchedulerOutput
 from kvmesh.engine.sequence import Request
 
-SampledTokens = dict[str, tuple[int, list[tuple[int, float]] | None]]
+# per request that samples: its new tokens (one, or with speculation the accepted drafts and
+# the target's next token) and, when it asked for logprobs, one entry list per token
+SampledTokens = dict[str, tuple[list[int], list[list[tuple[int, float]]] | None]]
 
 
 def blocked_tokens(request: Request) -> list[int]:
@@ -31,6 +33,15 @@ class ModelRunner(abc.ABC):
     @abc.abstractmethod
     def execute(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> SampledTokens:
         """Compute the scheduled tokens; return the next token of every request that samples."""
+
+    def proposer(self, config):  # -> spec.speculator.Proposer
+        """What drafts for `config` (a resolved SpeculativeConfig) on this runner; prompt
+        lookup needs only tokens, other methods the runner's own model."""
+        from kvmesh.engine.spec.speculator import PromptLookupProposer
+
+        if config.method == "ngram":
+            return PromptLookupProposer(config)
+        raise ValueError(f"speculative method {config.method!r} is not available on this runner")
 
     def release(self, request_id: str) -> None:  # noqa: B027 - optional hook
         """Forget per-request state (e.g. seeded generators)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvmesh.engine.sequence import SamplingParams
+from kvmesh.engine.spec.rejection import greedy_verify, rejection_sample
 
 _NEG_INF = float("-inf")
 
@@ -82,12 +83,39 @@ class Sampler:
         logprobs_out: list[list[tuple[int, float]] | None] = [None] * len(params)
         if raw_logprobs is not None:
             for i, p in enumerate(params):
-                if p.logprobs is None:
-                    continue
-                chosen = token_list[i]
-                entries = [(chosen, float(raw_logprobs[i, chosen]))]
-                if p.logprobs > 0:
-                    top = torch.topk(raw_logprobs[i], p.logprobs)
-                    entries += list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
-                logprobs_out[i] = entries
+                if p.logprobs is not None:
+                    logprobs_out[i] = _logprob_entries(raw_logprobs[i], token_list[i], p.logprobs)
         return token_list, logprobs_out
+
+    def verify(
+        self, logits: torch.Tensor, drafts: list[int], request_id: str, params: SamplingParams
+    ) -> tuple[list[int], list[list[tuple[int, float]]] | None]:
+        """One request's drafts against the target's logits at its 1 + len(drafts) rows: the
+        accepted drafts and the target's next token, each distributed as without drafts
+        (greedy: the argmax chain; sampled: rejection sampling with the filtered p)."""
+        logits = logits.float()
+        draft_ids = torch.tensor([drafts], dtype=torch.long, device=logits.device)
+        num_drafts = torch.tensor([len(drafts)], dtype=torch.long, device=logits.device)
+        if params.greedy:
+            result = greedy_verify(draft_ids, num_drafts, logits.argmax(dim=-1)[None])
+        else:
+            rows = logits / params.temperature
+            rows = _apply_top_k_top_p_min_p(rows, [params] * rows.shape[0])
+            probs = torch.softmax(rows, dim=-1)
+            gen = self.generator(request_id, params.seed, logits.device)
+            result = rejection_sample(draft_ids, num_drafts, probs[None], None, gen)
+        n = int(result.num_accepted[0]) + 1
+        tokens = result.output_token_ids[0, :n].tolist()
+        if params.logprobs is None:
+            return tokens, None
+        raw = torch.log_softmax(logits[:n], dim=-1)
+        return tokens, [_logprob_entries(raw[i], t, params.logprobs) for i, t in enumerate(tokens)]
+
+
+def _logprob_entries(raw: torch.Tensor, chosen: int, top: int) -> list[tuple[int, float]]:
+    """The chosen token's logprob, then the top `top` (vLLM's logprobs=N)."""
+    entries = [(chosen, float(raw[chosen]))]
+    if top > 0:
+        best = torch.topk(raw, top)
+        entries += list(zip(best.indices.tolist(), best.values.tolist(), strict=True))
+    return entries

@@ -26,17 +26,28 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"
+    # slots reserved past a drafting request's drafts, for a drafter that writes its own KV
+    # ahead of the target (MTP's chained depths); 0 for prompt lookup
+    num_lookahead_tokens: int = 0
 
 
 @dataclass(slots=True)
 class ScheduledRequest:
     request: Request
-    num_tokens: int  # tokens to compute this step, starting at request.num_computed_tokens
+    num_tokens: int  # known tokens to compute this step, from request.num_computed_tokens
+    # drafts computed after them at the following positions (speculative decoding); only
+    # a request that samples carries them, and the target's pass verifies them
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """True when this step reaches the end of the known tokens and so yields the next one."""
         return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Rows of the forward pass: known tokens and drafts."""
+        return self.num_tokens + len(self.spec_token_ids)
 
 
 @dataclass(slots=True)
@@ -46,7 +57,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
+        return sum(s.num_scheduled_tokens for s in self.scheduled)
 
     @property
     def empty(self) -> bool:
@@ -120,6 +131,11 @@ class Scheduler:
             num_new = min(num_new, cap)
         return min(num_new, budget)
 
+    def _lookahead(self, num_positions: int) -> int:
+        """Slots reserved past num_positions for a drafter's own KV (never past max_model_len)."""
+        room = self.config.max_model_len - num_positions
+        return max(0, min(self.config.num_lookahead_tokens, room))
+
     def _victim(self) -> Request:
         if self.config.policy == "priority":
             return max(self.running, key=Request.sort_key)
@@ -130,6 +146,7 @@ class Scheduler:
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.spec_token_ids = []
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add(victim, front=True)
@@ -153,7 +170,16 @@ class Scheduler:
             num_new = self._prefill_cap(request.num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
-            while self.kv.allocate_slots(request, num_new) is None:
+            samples = request.num_computed_tokens + num_new == request.num_tokens
+            spec: list[int] = []
+            if request.spec_token_ids:  # drafts go only where the step samples; trimmed first
+                if samples:
+                    spec = request.spec_token_ids[: budget - num_new]
+                request.spec_token_ids = []
+            num_slots = num_new + len(spec)
+            if samples:
+                num_slots += self._lookahead(request.num_computed_tokens + num_slots)
+            while self.kv.allocate_slots(request, num_slots) is None:
                 victim = self._victim()
                 if victim.request_id in scheduled_ids:  # never undo work planned this step
                     victim = request
@@ -161,9 +187,9 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(request, num_new))
+                out.scheduled.append(ScheduledRequest(request, num_new, spec))
                 scheduled_ids.add(request.request_id)
-                budget -= num_new
+                budget -= num_new + len(spec)
 
         if out.preempted:
             return out
@@ -182,7 +208,10 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = self._prefill_cap(num_new, budget)
-            if self.kv.allocate_slots(request, num_new, computed) is None:
+            lookahead = 0  # a drafter writing ahead needs its slots from the first sample on
+            if computed.num_tokens + num_new == request.num_tokens:
+                lookahead = self._lookahead(request.num_tokens)
+            if self.kv.allocate_slots(request, num_new + lookahead, computed) is None:
                 if loads is not None:  # no waiting request keeps blocks it cannot use yet
                     loads.release_all()
                 break
@@ -204,18 +233,26 @@ class Scheduler:
     def update_from_output(
         self, out: SchedulerOutput, sampled: dict[str, tuple[int, list | None]]
     ) -> list[Request]:
-        """Advance computed tokens, append sampled tokens; return requests that gained a token."""
+        """Advance computed tokens, append sampled tokens; return (request, tokens it gained).
+
+        With drafts, the rows of the accepted ones join the computed tokens and the rejected
+        ones' KV stays past num_computed_tokens, where the next step overwrites it: only
+        verified tokens are ever hashed, cached or announced."""
         progressed = []
         for item in out.scheduled:
             request = item.request
             if request.is_finished:  # aborted while the step ran
                 continue
-            request.num_computed_tokens += item.num_tokens
+            new = sampled.get(request.request_id)
+            num_accepted = len(new[0]) - 1 if new is not None else 0
+            assert 0 <= num_accepted <= len(item.spec_token_ids)  # never past the drafts
+            request.num_computed_tokens += item.num_tokens + num_accepted
+            if new is not None:
+                tokens, logprobs = new
+                for i, token in enumerate(tokens):
+                    request.append_output_token(token, logprobs[i] if logprobs else None)
+                progressed.append((request, len(tokens)))
             self.kv.cache_blocks(request, request.num_computed_tokens)
-            token = sampled.get(request.request_id)
-            if token is not None:
-                request.append_output_token(token[0], token[1])
-                progressed.append(request)
         return progressed
 
     def finish(self, request: Request, status: RequestStatus, keep_blocks: bool = False):

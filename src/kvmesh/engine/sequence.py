@@ -97,6 +97,9 @@ class Request:
     first_scheduled_time: float | None = None
     hold_for_remote: bool = False  # P/D prefill: keep the blocks for a decode engine to read
     kv_transfer_params: dict | None = None  # what the response returns (prefill side)
+    # speculative decoding: tokens proposed for the next step, never in all_token_ids until
+    # the target verifies them; dropped on preemption
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -15,7 +15,7 @@ from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.kv_loads import ThreadCopyWorker
 from kvmesh.engine.runner import ModelRunner, SampledTokens, blocked_tokens
 from kvmesh.engine.sampler import Sampler
-from kvmesh.engine.scheduler import SchedulerOutput
+from kvmesh.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvmesh.engine.sequence import Request
 from kvmesh.engine.tier_storage import DiskTierStorage, HostTierStorage
 
@@ -64,16 +64,24 @@ class TorchRunner(ModelRunner):
         tables: list[list[int]] = []
         sample_rows: list[int] = []
         samplers: list[Request] = []
+        verify_rows: list[tuple[ScheduledRequest, int]] = []  # drafting: first of its rows
+        rows: list[tuple[str, int, int, int, list[int]]] = []
         for item in out.scheduled:
             req, start, n = item.request, item.request.num_computed_tokens, item.num_tokens
             table = block_ids[req.request_id]
             input_ids.extend(req.all_token_ids[start : start + n])
+            if item.spec_token_ids:
+                input_ids.extend(item.spec_token_ids)
+                n += len(item.spec_token_ids)
+            rows.append((req.request_id, len(input_ids) - n, start, n, table))
             positions.extend(range(start, start + n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             query_lens.append(n)
             context_lens.append(start + n)
             tables.append(table)
-            if item.samples:
+            if item.spec_token_ids:
+                verify_rows.append((item, len(input_ids) - len(item.spec_token_ids) - 1))
+            elif item.samples:
                 sample_rows.append(len(input_ids) - 1)
                 samplers.append(req)
         width = max(len(t) for t in tables)
@@ -92,14 +100,26 @@ class TorchRunner(ModelRunner):
             self.kv_caches,
             meta,
         )
-        if not samplers:
-            return {}
-        logits = self.model.compute_logits(hidden[sample_rows])
-        ids = [r.request_id for r in samplers]
-        tokens, logprobs = self.sampler(
-            logits, ids, [r.sampling for r in samplers], [blocked_tokens(r) for r in samplers]
-        )
-        return {rid: (tok, lp) for rid, tok, lp in zip(ids, tokens, logprobs, strict=True)}
+        # what a drafter reading the target's states starts from: the hidden states and,
+        # per scheduled request, (request id, first row, first position, rows, block table)
+        self.last_hidden = hidden
+        self.last_rows = rows
+        sampled: SampledTokens = {}
+        if samplers:
+            logits = self.model.compute_logits(hidden[sample_rows])
+            ids = [r.request_id for r in samplers]
+            tokens, logprobs = self.sampler(
+                logits, ids, [r.sampling for r in samplers], [blocked_tokens(r) for r in samplers]
+            )
+            for rid, tok, lp in zip(ids, tokens, logprobs, strict=True):
+                sampled[rid] = ([tok], [lp] if lp is not None else None)
+        for item, first in verify_rows:
+            req = item.request
+            logits = self.model.compute_logits(hidden[first : first + len(item.spec_token_ids) + 1])
+            sampled[req.request_id] = self.sampler.verify(
+                logits, item.spec_token_ids, req.request_id, req.sampling
+            )
+        return sampled
 
     @torch.inference_mode()
     def run_idle_step(self) -> None:

@@ -66,7 +66,7 @@ class EmulatedRunner(ModelRunner):
     def execute(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> SampledTokens:
         work = [
             SequenceWork(
-                s.num_tokens,
+                s.num_scheduled_tokens,
                 s.request.num_computed_tokens,
                 s.num_tokens > 1 or s.request.num_output_tokens == 0,
             )
@@ -88,8 +88,8 @@ class EmulatedRunner(ModelRunner):
             req = item.request
             start = sum(req.prompt_token_ids[-4:]) % n
             token = self.filler[(start + req.num_output_tokens) % n]
-            logprobs = [(token, 0.0)] if req.sampling.logprobs is not None else None
-            sampled[req.request_id] = (token, logprobs)
+            logprobs = [[(token, 0.0)]] if req.sampling.logprobs is not None else None
+            sampled[req.request_id] = ([token], logprobs)
         return sampled
 
     def export_blocks(self, block_ids: list[int]) -> tuple[bytes, dict]:

@@ -35,13 +35,13 @@ class PredictedTiming:
                 waited = (self._last_step_end - request.arrival_time) / self.time_scale
                 self._elapsed[rid] = max(0.0, waited)
             self._elapsed[rid] += step_time
-        for request in progressed:
+        for request, num_new in progressed:  # a step emits several tokens with speculation
             if request.num_output_tokens == 1:
                 self.ttft_sum += self._elapsed.get(request.request_id, step_time)
                 self.ttft_count += 1
             else:
                 self.itl_sum += step_time
-                self.itl_count += 1
+                self.itl_count += num_new
         self._last_step_end = step_start + step_time * self.time_scale  # wall clock
 
     def summary(self) -> dict:
