@@ -134,3 +134,40 @@ def test_bad_speculative_config_is_refused():
         EngineConfig(speculative_config='{"method": "medusa2", "num_speculative_tokens": 2}')
     with pytest.raises(ValueError, match="not valid JSON"):
         EngineConfig(speculative_config="{")
+
+
+def test_served_stream_equals_plain_and_metrics(smollm2):
+    from tests.conftest import engine_server
+    from tests.helpers import http
+
+    body = {
+        "messages": [{"role": "user", "content": EDIT}],
+        "max_tokens": 48,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 1,
+    }
+    with engine_server(smollm2) as (url, _):
+        _, _, plain = http(f"{url}/v1/chat/completions", body)
+    with engine_server(smollm2, speculative_config=json.dumps(NGRAM)) as (url, _):
+        _, _, spec = http(f"{url}/v1/chat/completions", body)
+        status, _, raw = http(f"{url}/v1/chat/completions", {**body, "stream": True})
+        _, _, page = http(f"{url}/metrics")
+    plain, spec = json.loads(plain), json.loads(spec)
+    assert spec["choices"][0]["message"] == plain["choices"][0]["message"]
+    assert spec["usage"] == plain["usage"]
+    lp_plain = plain["choices"][0]["logprobs"]["content"]
+    lp_spec = spec["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in lp_spec] == [e["token"] for e in lp_plain]
+    want = [e["logprob"] for e in lp_plain]  # another batch shape: float noise only
+    assert [e["logprob"] for e in lp_spec] == pytest.approx(want, abs=1e-4)
+    chunks = [
+        json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: {")
+    ]
+    streamed = "".join(
+        c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]
+    )
+    assert status == 200 and streamed == plain["choices"][0]["message"]["content"]
+    text = page.decode()
+    assert "vllm:spec_decode_num_accepted_tokens_per_pos_total{" in text
+    assert "vllm:spec_decode_num_drafts_total{" in text
