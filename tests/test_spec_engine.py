@@ -171,3 +171,32 @@ def test_served_stream_equals_plain_and_metrics(smollm2):
     text = page.decode()
     assert "vllm:spec_decode_num_accepted_tokens_per_pos_total{" in text
     assert "vllm:spec_decode_num_drafts_total{" in text
+
+
+def test_pd_decode_engine_speculates(smollm2):
+    from tests.conftest import engine_server
+    from tests.test_pd_engine import PD, PROMPT, complete, prefill
+
+    spec = json.dumps(NGRAM)
+    with (
+        engine_server(smollm2, kv_transfer_config=PD) as (p_url, _),
+        engine_server(smollm2, kv_transfer_config=PD, speculative_config=spec) as (d_url, d),
+    ):
+        reference = complete(p_url, PROMPT, max_tokens=40, cache_salt="aggregated")
+        params = prefill(p_url, PROMPT)
+        out = complete(d_url, PROMPT, max_tokens=40, kv_transfer_params=params)
+        assert out["choices"][0]["text"] == reference["choices"][0]["text"]
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # imported
+        accepted = [v for k, v in counters(d).items() if "num_accepted_tokens_total" in k]
+        assert accepted and accepted[0] > 0
+
+
+def test_prefix_from_host_tier_with_speculation(smollm2):
+    from tests.conftest import engine_server
+    from tests.test_tiers_engine import TINY, evict_then_reuse
+
+    with engine_server(
+        smollm2, kv_offloading_size=0.05, speculative_config=json.dumps(NGRAM), **TINY
+    ) as (url, bundle):
+        reference, text, cached = evict_then_reuse(url, bundle)
+        assert text == reference and cached >= 5 * 16
