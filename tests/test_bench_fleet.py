@@ -96,3 +96,36 @@ def test_single_url_agentic_command(tmp_path: Path, tokenizer) -> None:
     assert r["requests"] == doc["workload"]["requests"] == 4 and r["errors"] == 0
     assert 0 < r["hit_rate"] <= doc["ceiling"]["hit_rate"] + 0.02  # turn 2 reuses turn 1
     assert abs(r["engine_hit_rate"] - r["hit_rate"]) < 0.02
+
+
+def test_engines_without_reset_get_fresh_prompts_per_policy(monkeypatch, tmp_path: Path) -> None:
+    """Real vLLM outside dev mode has no /reset_prefix_cache: each later policy then runs the
+    same workload shape in words of its own, so no policy meets another's warm cache."""
+    from kvmesh.bench.router_procs import Target
+    from kvmesh.bench.workloads import shared_prefix
+
+    seen: list[tuple[int, str]] = []
+
+    class Router:
+        def stop(self) -> None:
+            pass
+
+    async def run_workload(url, wl, **kw):
+        seen.append((wl.seed, wl.text(wl.requests[0])))
+        return {"label": kw["label"]}
+
+    monkeypatch.setattr(fleet, "reset_caches", lambda urls: [f"{urls[0]}: HTTP 404"])
+    monkeypatch.setattr(fleet, "start_router", lambda *a: (Router(), "http://r"))
+    monkeypatch.setattr(fleet, "router_metrics", lambda url: {})
+    monkeypatch.setattr(fleet, "kv_move_counters", lambda urls: {})
+    monkeypatch.setattr(fleet, "engine_timing", lambda urls: {})
+    monkeypatch.setattr(loadgen, "run_workload", run_workload)
+    wl = shared_prefix(groups=2, prompts_per_group=2, system_tokens=20, question_tokens=5)
+    args = argparse.Namespace(
+        concurrency=2, request_timeout=10, time_scale_used=1.0, prompt_format="text"
+    )
+    targets = [Target("kvmesh", "round-robin"), Target("kvmesh", "kvmesh")]
+    rows, notes = fleet.run_policies(args, wl, ["http://e"], targets, {}, tmp_path, None)
+    assert set(rows) == {"round-robin", "kvmesh"}
+    assert seen[0][0] != seen[1][0] and seen[0][1] != seen[1][1]
+    assert any("ran on its own prompts" in n for n in notes)
