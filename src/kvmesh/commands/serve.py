@@ -101,6 +101,10 @@ ENGINE_HELP = {
 
 
 EMULATION_HELP = {
+    "emulate_spec_acceptance": "With --speculative-config (mtp, eagle, draft_model): the chance "
+    "that each draft position is accepted once the earlier ones were, comma-separated, the last "
+    "repeating (the default is fitted to GLM-class MTP); ngram drafts are checked "
+    "against the emulated output instead.",
     "emulate_gpu": "Emulated accelerator: h100, h200, a100, cpu.",
     "emulate_model": "Emulated model: llama-3.1-8b, qwen3-32b, llama-3.1-70b, glm-5.2-moe "
     "(`serve`: --emulate-model, --emulate-gpu or --emulate-ttft-ms away from its default "

@@ -15,6 +15,7 @@ from kvmesh.engine.emulation.latency import (
     RooflineLatency,
 )
 from kvmesh.engine.emulation.runner import EmulatedRunner
+from kvmesh.engine.emulation.spec import DEFAULT_ACCEPTANCE, parse_acceptance
 from kvmesh.engine.emulation.timing import PredictedTiming
 
 
@@ -35,8 +36,12 @@ class EmulationConfig:
     fault_stall_rate: float = 0.0
     fault_stall_seconds: float = 5.0
     fault_drop_events_rate: float = 0.0
+    # with --speculative-config (mtp, eagle, draft_model): the chance each draft position is
+    # accepted given the ones before it were, the last repeating (GLM-5-class MTP by default)
+    emulate_spec_acceptance: str = ",".join(str(r) for r in DEFAULT_ACCEPTANCE)
 
     def __post_init__(self) -> None:
+        parse_acceptance(self.emulate_spec_acceptance)
         if self.emulate_gpu not in ACCELERATORS:
             raise ValueError(f"--emulate-gpu must be one of {sorted(ACCELERATORS)}")
         if self.emulate_model not in MODELS:
@@ -95,9 +100,11 @@ def build_emulated_engine(
     tokenizer,
     tokenizer_name: str = "tokenizer",
     latency: LatencyModel | None = None,
+    engine_index: int = 0,
 ) -> EngineBundle:
     """`latency` replaces the one `emu` names (a lockstep rank's clock, say); the KV cache
-    takes what it leaves of the card, unless --num-gpu-blocks says otherwise."""
+    takes what it leaves of the card, unless --num-gpu-blocks says otherwise. The engine's
+    draft acceptance draws from an RNG seeded by --seed, its DP rank and `engine_index`."""
     config = with_vllm_batch_defaults(config, emu)
     latency = latency or emu.latency_model()
     spec = MODELS[emu.emulate_model]
@@ -113,6 +120,9 @@ def build_emulated_engine(
     faults = FaultInjector(emu.fault_config())
     runner = EmulatedRunner(latency, num_blocks, config.block_size, max_len, tokenizer)
     runner.faults = faults
+    runner.spec_acceptance = parse_acceptance(emu.emulate_spec_acceptance)
+    runner.spec_seed = (config.seed, config.data_parallel_rank, engine_index)
+    runner.model_config.num_nextn_predict_layers = spec.num_nextn_predict_layers  # any mode
     name = config.served_model_name or spec.name
     bundle = assemble(
         config, runner, tokenizer, name, f"emulated:{emu.emulate_gpu}", tuple(_eos_ids(tokenizer))

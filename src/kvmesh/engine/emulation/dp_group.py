@@ -23,6 +23,7 @@ from kvmesh.engine.core import EngineCore, RequestOutput
 from kvmesh.engine.emulation.instance_roofline import InstanceRoofline, StepCost
 from kvmesh.engine.emulation.latency import LatencyModel, ModelSpec, SequenceWork
 from kvmesh.engine.emulation.runner import EmulatedRunner
+from kvmesh.engine.emulation.spec import DEFAULT_ACCEPTANCE
 from kvmesh.engine.sequence import Request
 
 NULL_EVENTS = json.dumps({"enable_kv_cache_events": True, "publisher": "null"})
@@ -63,7 +64,13 @@ class GroupStep(NamedTuple):
 
 
 class DPGroup:
-    def __init__(self, roofline: InstanceRoofline, config: EngineConfig, tokenizer) -> None:
+    def __init__(
+        self,
+        roofline: InstanceRoofline,
+        config: EngineConfig,
+        tokenizer,
+        spec_acceptance: tuple[float, ...] = DEFAULT_ACCEPTANCE,
+    ) -> None:
         self.roofline = roofline
         spec = roofline.model
         per_block = spec.kv_bytes_per_token * config.block_size
@@ -84,6 +91,7 @@ class DPGroup:
             )
             recorder = _WorkRecorder(spec)
             runner = EmulatedRunner(recorder, self.num_blocks, cfg.block_size, max_len, tokenizer)
+            runner.spec_acceptance, runner.spec_seed = spec_acceptance, (config.seed, rank, 0)
             bundle = assemble(
                 cfg,
                 runner,

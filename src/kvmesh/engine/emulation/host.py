@@ -36,7 +36,7 @@ class EmulatedFleet:
 
     def __init__(self, config: EngineConfig, emu: EmulationConfig, tokenizer, count: int) -> None:
         self.bundles: list[EngineBundle] = [
-            build_emulated_engine(engine_config_for(config, i), emu, tokenizer)
+            build_emulated_engine(engine_config_for(config, i), emu, tokenizer, engine_index=i)
             for i in range(count)
         ]
         self.runners: list[web.AppRunner | None] = []

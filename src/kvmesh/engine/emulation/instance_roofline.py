@@ -11,6 +11,7 @@ import numpy as np
 
 from kvmesh.engine.emulation.expert_load import ExpertRouting
 from kvmesh.engine.emulation.latency import AcceleratorSpec, LinkSpec, ModelSpec, SequenceWork
+from kvmesh.engine.emulation.work import draft_passes
 
 
 class StepCost(NamedTuple):
@@ -85,7 +86,22 @@ class InstanceRoofline(abc.ABC):
         """KV cache bytes of one DP rank."""
 
     @abc.abstractmethod
-    def step_cost(self, works: Sequence[Sequence[SequenceWork]]) -> StepCost: ...
+    def _forward_cost(self, works: Sequence[Sequence[SequenceWork]]) -> StepCost:
+        """The target's pass over every rank's scheduled rows (drafts verified included)."""
+
+    def step_cost(self, works: Sequence[Sequence[SequenceWork]]) -> StepCost:
+        """The target's pass, then the drafter's (kvmesh.engine.emulation.spec): per draft
+        position one average layer of the instance over the drafting rows of every rank."""
+        cost = self._forward_cost(works)
+        for rows in draft_passes(works):
+            draft = self._forward_cost(rows)
+            share = 1.0 / self.model.num_layers
+            cost = cost._replace(
+                time=cost.time + max(0.0, draft.time - self.step_overhead) * share,
+                compute=cost.compute + draft.compute * share,
+                comm=cost.comm + draft.comm * share,
+            )
+        return cost
 
     def step_time(self, works: Sequence[Sequence[SequenceWork]]) -> float:
         return self.step_cost(works).time

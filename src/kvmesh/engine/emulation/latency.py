@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import NamedTuple
+
+from kvmesh.engine.emulation.work import SequenceWork, draft_time
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +45,7 @@ class ModelSpec:
     source: str = ""
     num_dense_layers: int = 0  # leading layers with a dense FFN instead of routed experts
     attention: str = "gqa"  # "mla": one latent KV head, so every TP rank holds all of the KV
+    num_nextn_predict_layers: int = 0  # MTP layers shipped with the model (method "mtp")
 
     @property
     def weight_bytes(self) -> float:
@@ -206,14 +208,9 @@ MODELS: dict[str, ModelSpec] = {
         " MLA attention); GLM-5 config: 78 layers, 3 dense, 256 experts of 2048, top-8",
         num_dense_layers=3,
         attention="mla",
+        num_nextn_predict_layers=1,
     ),
 }
-
-
-class SequenceWork(NamedTuple):
-    num_new_tokens: int  # tokens computed this step
-    num_context_tokens: int  # tokens already in the cache before this step
-    is_prefill: bool = False  # prompt (or recomputed) tokens rather than one decode token
 
 
 class LatencyModel(abc.ABC):
@@ -234,7 +231,12 @@ class ConstantLatency(LatencyModel):
         self.ttft, self.itl, self.per_prefill_token = ttft, itl, per_prefill_token
 
     def step_time(self, work: list[SequenceWork]) -> float:
-        prefill = [w.num_new_tokens for w in work if w.is_prefill or w.num_new_tokens > 1]
+        # verified drafts are decode rows, not a prompt; the drafter is free in this mode
+        prefill = [
+            w.num_new_tokens
+            for w in work
+            if w.is_prefill or w.num_new_tokens - w.num_spec_tokens > 1
+        ]
         if not prefill:
             return self.itl if work else 0.0
         return self.ttft + self.per_prefill_token * sum(prefill)
@@ -272,6 +274,11 @@ class RooflineLatency(LatencyModel):
         return dense + m.expert_params * m.bytes_per_param * (1 - p_untouched)
 
     def step_time(self, work: list[SequenceWork]) -> float:
+        drafts = draft_time(self._forward_time, work, self.model.num_layers, self.step_overhead)
+        return self._forward_time(work) + drafts
+
+    def _forward_time(self, work: list[SequenceWork]) -> float:
+        """The target's pass over the scheduled rows (drafts verified included)."""
         if not work:
             return 0.0
         m, g = self.model, self.gpu

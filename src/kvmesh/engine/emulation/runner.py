@@ -2,16 +2,26 @@
 
 Everything around it is real (scheduler, block pool, prefix cache, KV events, metrics, HTTP);
 only the tokens are made up: a deterministic stream of ordinary words, so that usage, streaming,
-stop strings and max_tokens behave as with a model. It never samples EOS on its own.
+stop strings and max_tokens behave as with a model. It never samples EOS on its own. With
+--speculative-config a step verifies drafts and accepts some (kvmesh.engine.emulation.spec);
+the tokens are the same stream.
 """
 
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 from kvmesh.engine.emulation.latency import LatencyModel, SequenceWork
+from kvmesh.engine.emulation.spec import (
+    DEFAULT_ACCEPTANCE,
+    MODEL_DRAFTERS,
+    Acceptance,
+    EmulatedDrafter,
+)
 from kvmesh.engine.runner import ModelRunner, SampledTokens
 from kvmesh.engine.scheduler import SchedulerOutput
+from kvmesh.engine.sequence import Request
 
 logger = logging.getLogger(__name__)
 
@@ -62,13 +72,38 @@ class EmulatedRunner(ModelRunner):
         self.predicted_time_total = 0.0
         self.clock = 0.0  # emulated seconds: steps and idle waits for loads
         self.num_steps = 0
+        # what a spec decode's drafts are worth: set before proposer() (the builder does)
+        self.spec_acceptance: tuple[float, ...] = DEFAULT_ACCEPTANCE
+        self.spec_seed: object = 0
+        self.acceptance: Acceptance | None = None  # set by proposer()
+        # the emulated model's MTP layers, for method "mtp" (the builder resolves k with it)
+        self.model_config = SimpleNamespace(
+            num_nextn_predict_layers=getattr(spec, "num_nextn_predict_layers", 0)
+        )
+
+    def proposer(self, config):
+        """Model drafters are emulated (placeholder drafts, accepted at the configured rates);
+        n-gram is the real prompt lookup, checked against the output stream."""
+        self.acceptance = Acceptance(config.method, self.spec_acceptance, self.spec_seed)
+        if config.method in MODEL_DRAFTERS:
+            return EmulatedDrafter(self.stream_token)
+        return super().proposer(config)
+
+    def stream_token(self, request: Request, index: int) -> int:
+        """The emulated output token at output position `index` of `request`."""
+        n = len(self.filler)
+        start = sum(request.prompt_token_ids[-4:]) % n
+        return self.filler[(start + index) % n]
 
     def execute(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> SampledTokens:
+        drafted = self.acceptance is not None and self.acceptance.method in MODEL_DRAFTERS
         work = [
             SequenceWork(
                 s.num_scheduled_tokens,
                 s.request.num_computed_tokens,
                 s.num_tokens > 1 or s.request.num_output_tokens == 0,
+                len(s.spec_token_ids),
+                len(s.spec_token_ids) if drafted else 0,
             )
             for s in out.scheduled
         ]
@@ -81,15 +116,18 @@ class EmulatedRunner(ModelRunner):
         self.clock += self.last_step_time
         self.num_steps += 1
         sampled: SampledTokens = {}
-        n = len(self.filler)
         for item in out.scheduled:
             if not item.samples:
                 continue
-            req = item.request
-            start = sum(req.prompt_token_ids[-4:]) % n
-            token = self.filler[(start + req.num_output_tokens) % n]
-            logprobs = [[(token, 0.0)]] if req.sampling.logprobs is not None else None
-            sampled[req.request_id] = ([token], logprobs)
+            req, first = item.request, item.request.num_output_tokens
+            accepted = 0
+            if item.spec_token_ids and self.acceptance is not None:
+                accepted = self.acceptance.num_accepted(
+                    item.spec_token_ids, lambda j, r=req, f=first: self.stream_token(r, f + j)
+                )
+            tokens = [self.stream_token(req, first + j) for j in range(accepted + 1)]
+            logprobs = [[(t, 0.0)] for t in tokens] if req.sampling.logprobs is not None else None
+            sampled[req.request_id] = (tokens, logprobs)
         return sampled
 
     def export_blocks(self, block_ids: list[int]) -> tuple[bytes, dict]:

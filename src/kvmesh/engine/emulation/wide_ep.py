@@ -153,7 +153,7 @@ class WideEPRoofline(InstanceRoofline):
         comm = comm + self._all_to_all(send, recv, m.hidden_size * COMBINE_BYTES)
         return dense, experts, comm, busiest / mean.mean(axis=1)
 
-    def step_cost(self, works: Sequence[Sequence[SequenceWork]]) -> StepCost:
+    def _forward_cost(self, works: Sequence[Sequence[SequenceWork]]) -> StepCost:
         if len(works) != self.dp_size:
             raise ValueError(f"expected {self.dp_size} rank batches, got {len(works)}")
         if not any(works):
@@ -207,7 +207,7 @@ class TensorParallelRoofline(InstanceRoofline):
         per_gpu -= self.model.weight_bytes / self.tp
         return per_gpu * self.kv_split  # MLA: each GPU holds all of it, so capacity does not add
 
-    def step_cost(self, works: Sequence[Sequence[SequenceWork]]) -> StepCost:
+    def _forward_cost(self, works: Sequence[Sequence[SequenceWork]]) -> StepCost:
         if len(works) != 1:
             raise ValueError(f"a TP instance takes one batch, got {len(works)}")
         if not works[0]:

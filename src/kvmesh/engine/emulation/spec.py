@@ -1,0 +1,93 @@
+"""Speculative decoding in emulated engines: a drafter, the target's verification, its cost.
+
+A step verifies each drafting request's k drafts with its next token, k + 1 query rows priced
+by the latency model like any other rows. What the target accepts:
+
+- mtp / eagle / eagle3 / draft_model: an emulated drafter proposes k placeholder tokens, and the
+  runner accepts a prefix of them position by position with the configured conditional
+  acceptance rates (the chance draft j is accepted given drafts 0..j-1 were), drawn from a
+  seeded RNG per engine. Expected tokens per step: 1 + a1 + a1 a2 + ... + a1 ... ak.
+- ngram: real prompt lookup over the request's tokens, and a draft is accepted when it equals
+  what the emulated output stream yields at its position. That stream is a fixed filler text
+  repeated from an offset set by the prompt, so lookup hits once the output repeats itself
+  (after one pass through the filler) or when the prompt already holds the filler at the same
+  offset (a later turn that resends an earlier answer); elsewhere it drafts nothing or misses.
+
+Accepted drafts are replaced by the filler stream's tokens at their positions, so the text is
+the text without speculation. The drafter's own cost (MTP / EAGLE: one decoder layer per draft
+position): each draft position is one pass of one average layer of the target (the whole
+step's time less the fixed overhead, over num_layers) over one row per drafting request; a
+draft model is priced the same way. It is charged in the step that verifies the drafts.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+
+from kvmesh.engine.sequence import Request
+from kvmesh.engine.spec.speculator import Proposer
+
+# GLM-5-class MTP, conditional per draft position (the last repeats past it); fitted to the
+# llm-d GLM-5.2 guide's ~60 vs ~26 output tok/s per user with and without MTP 3 (the guide
+# gives no acceptance rate): 1 + 0.8 + 0.8*0.7 + 0.8*0.7*0.6 = 2.70 tokens per step.
+DEFAULT_ACCEPTANCE = (0.8, 0.7, 0.6)
+MODEL_DRAFTERS = ("mtp", "eagle", "eagle3", "draft_model")
+
+
+def parse_acceptance(text: str) -> tuple[float, ...]:
+    """'0.8,0.7,0.6' -> conditional acceptance per draft position, each in [0, 1]."""
+    try:
+        rates = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--emulate-spec-acceptance: not a list of numbers: {text!r}") from None
+    if not rates or any(not 0.0 <= r <= 1.0 for r in rates):
+        raise ValueError(f"--emulate-spec-acceptance: rates in [0, 1], comma-separated: {text!r}")
+    return rates
+
+
+def expected_tokens_per_step(rates: Sequence[float], k: int) -> float:
+    """1 + sum over j < k of the chance that drafts 0..j are all accepted."""
+    total, alive = 1.0, 1.0
+    for j in range(k):
+        alive *= rates[min(j, len(rates) - 1)]
+        total += alive
+    return total
+
+
+class EmulatedDrafter(Proposer):
+    """MTP / EAGLE / draft model without weights: k placeholder drafts per request, the output
+    stream's next tokens (the runner's acceptance decides what they were worth)."""
+
+    def __init__(self, stream: Callable[[Request, int], int]) -> None:
+        self.stream = stream  # (request, output index) -> the emulated output token there
+
+    def propose(self, requests: list[Request], limits: list[int]) -> list[list[int]]:
+        return [
+            [self.stream(r, r.num_output_tokens + j) for j in range(limit)]
+            for r, limit in zip(requests, limits, strict=True)
+        ]
+
+
+class Acceptance:
+    """What the target accepts of a request's drafts (see the module's docstring)."""
+
+    def __init__(self, method: str, rates: Sequence[float], seed: object = 0) -> None:
+        self.method = method
+        self.rates = tuple(rates) or DEFAULT_ACCEPTANCE
+        self.rng = random.Random(str(seed))
+
+    def num_accepted(self, drafts: Sequence[int], stream: Callable[[int], int]) -> int:
+        """Accepted prefix length; stream(j) is the output token at draft position j."""
+        if self.method == "ngram":
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == stream(accepted):
+                accepted += 1
+            return accepted
+        accepted = 0
+        while accepted < len(drafts):
+            rate = self.rates[min(accepted, len(self.rates) - 1)]
+            if self.rng.random() >= rate:
+                break
+            accepted += 1
+        return accepted
