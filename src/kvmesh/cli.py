@@ -57,6 +57,11 @@ BENCH_COMMANDS = {
         "Engine and router kills, dropped KV events, 5xx, hangs and stalls on an emulated fleet "
         "in one run: lost requests, eject / re-admit times, hit rate, index warm-up.",
     ),
+    "spec": (
+        "kvmesh.bench.spec_bench",
+        "Speculative decoding off / n-gram / MTP head on the real model: tok/s and ITL per "
+        "user on agentic edit tasks and plain chat at batch 1 and 8, greedy outputs checked.",
+    ),
 }
 
 

@@ -6,8 +6,10 @@ finite at all times (zero-initialised, then only overwritten with computed K/V):
 read arbitrary blocks and mask them out, and a masked NaN would still poison SDPA's output.
 
 A step's tokens are flat; sequence s owns query_lens[s] consecutive tokens, the first at position
-context_lens[s] - query_lens[s]. Decode rows (query_len == 1) of a step are batched through one
-padded gather + SDPA; longer rows (prefill chunks) run one SDPA call each.
+context_lens[s] - query_lens[s]. Short rows (up to SHORT_QUERY tokens: decodes, and a decode
+with its speculative drafts) are batched through one padded gather of each sequence's blocks +
+one SDPA, with a sequence's queries padded to the longest short row and each query masked to the
+keys up to its position; longer rows (prefill chunks) run one SDPA call each.
 """
 
 from __future__ import annotations
@@ -21,13 +23,36 @@ import torch.nn.functional as F
 if TYPE_CHECKING:
     from kvmesh.engine.models.llama import ModelConfig
 
+# a sequence with at most this many query tokens joins the batched decode path: a verify step's
+# k + 1 rows then cost about one decode batch, where an SDPA call per sequence costs several
+# times more on CPU
+SHORT_QUERY = 8
+
 
 @dataclass(slots=True)
 class _DecodePlan:
-    rows: torch.Tensor | None  # flat token index of each decode row; None when every row decodes
-    flat_blocks: torch.Tensor  # [D * nb] block ids, each row's table trimmed to nb blocks
-    mask: torch.Tensor  # [D, 1, 1, nb * block_size] bool: key position < context length
+    """S short sequences, each with up to N queries: padded query p = s * N + i is the
+    sequence's query min(i, n_s - 1) (a padded copy repeats the last and is dropped)."""
+
+    padded: torch.Tensor | None  # [S * N] flat token of each padded query; None: identity
+    rows: torch.Tensor | None  # flat token of each real query, in order; None: all T in order
+    real: torch.Tensor | None  # [R] index of each real query among the S * N; None: all
+    flat_blocks: torch.Tensor  # [S * nb] block ids, each sequence's table trimmed to nb blocks
+    key_limit: torch.Tensor  # [S, N] keys each padded query sees (positions < its limit)
     num_blocks: int  # nb
+    width: int  # N
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)  # group size -> SDPA mask
+
+    def mask(self, group: int, block_size: int) -> torch.Tensor:
+        """[S, 1, group * N, nb * block_size] bool, query heads grouped per KV head (GQA)."""
+        m = self.masks.get(group)
+        if m is None:
+            keys = torch.arange(self.num_blocks * block_size, device=self.key_limit.device)
+            m = keys[None, None, :] < self.key_limit[:, :, None]  # [S, N, L]
+            s, n, length = m.shape
+            m = m[:, None].expand(s, group, n, length).reshape(s, 1, group * n, length)
+            self.masks[group] = m
+        return m
 
 
 @dataclass(slots=True)
@@ -38,7 +63,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with 0
     # Derived in __post_init__; the plan is built on the first layer and reused by the others.
     query_starts: list[int] = field(init=False)  # len num_seqs + 1, prefix sums of query_lens
-    is_pure_decode: bool = field(init=False)
+    is_pure_decode: bool = field(init=False)  # every sequence is short (<= SHORT_QUERY)
     max_context_len: int = field(init=False)
     _decode: _DecodePlan | None = field(init=False, default=None)
     _prefill_masks: dict[int, torch.Tensor] = field(init=False, default_factory=dict)
@@ -51,7 +76,7 @@ class AttentionMetadata:
             starts.append(starts[-1] + n)
         assert starts[-1] == self.slot_mapping.shape[0]
         self.query_starts = starts
-        self.is_pure_decode = all(n == 1 for n in self.query_lens)
+        self.is_pure_decode = all(n <= SHORT_QUERY for n in self.query_lens)
         self.max_context_len = max(self.context_lens, default=0)
 
     @classmethod
@@ -78,20 +103,35 @@ class AttentionMetadata:
 
     def decode_plan(self, block_size: int) -> _DecodePlan | None:
         if self._decode is None:
-            seqs = [s for s, n in enumerate(self.query_lens) if n == 1]
-            if not seqs:
+            short = [s for s, n in enumerate(self.query_lens) if n <= SHORT_QUERY]
+            if not short:
                 return None
+            width = max(self.query_lens[s] for s in short)
+            padded, limits, rows, real = [], [], [], []
+            for j, s in enumerate(short):
+                n, start, ctx = self.query_lens[s], self.query_starts[s], self.context_lens[s]
+                for i in range(width):
+                    q = min(i, n - 1)
+                    padded.append(start + q)
+                    limits.append(ctx - n + q + 1)  # query q is at position ctx - n + q
+                    if i < n:
+                        rows.append(start + i)
+                        real.append(j * width + i)
             dev = self.block_tables.device
-            ctx = torch.tensor([self.context_lens[s] for s in seqs], device=dev)
-            nb = -(-max(self.context_lens[s] for s in seqs) // block_size)
+            nb = -(-max(self.context_lens[s] for s in short) // block_size)
             tables = self.block_tables[:, :nb]
-            rows = None
-            if not self.is_pure_decode:
-                tables = tables[torch.tensor(seqs, device=dev)]
-                rows = torch.tensor([self.query_starts[s] for s in seqs], device=dev)
-            keys = torch.arange(nb * block_size, device=dev)
-            mask = (keys[None, :] < ctx[:, None]).view(len(seqs), 1, 1, -1)
-            self._decode = _DecodePlan(rows, tables.reshape(-1), mask, nb)
+            if len(short) != self.num_seqs:
+                tables = tables[torch.tensor(short, device=dev)]
+            every_row = self.is_pure_decode  # then the real queries are all T, in order
+            self._decode = _DecodePlan(
+                padded=None if width == 1 and every_row else torch.tensor(padded, device=dev),
+                rows=None if every_row else torch.tensor(rows, device=dev),
+                real=None if width == 1 else torch.tensor(real, device=dev),
+                flat_blocks=tables.reshape(-1),
+                key_limit=torch.tensor(limits, device=dev).view(len(short), width),
+                num_blocks=nb,
+                width=width,
+            )
         return self._decode
 
     def prefill_mask(self, seq: int) -> torch.Tensor:
@@ -154,9 +194,9 @@ def paged_attention(
     out = torch.empty_like(q)
     if plan is not None:
         assert plan.rows is not None
-        out.index_copy_(0, plan.rows, _decode(q.index_select(0, plan.rows), kv_cache, plan, scale))
+        out.index_copy_(0, plan.rows, _decode(q, kv_cache, plan, scale))
     for s, n in enumerate(meta.query_lens):
-        if n == 1:
+        if n <= SHORT_QUERY:
             continue
         start, ctx = meta.query_starts[s], meta.context_lens[s]
         qs = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, heads, n, hd]
@@ -185,17 +225,22 @@ def paged_attention(
 def _decode(
     q: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan, scale: float
 ) -> torch.Tensor:
-    """One query per row: gather each row's blocks into a padded [D, kvh, L, hd] and run SDPA.
-
-    GQA without repeating K/V: the heads sharing a KV head become that head's query rows.
-    """
-    d, heads, hd = q.shape
+    """The plan's real queries, in order: each sequence's blocks gathered once into a padded
+    [S, kvh, L, hd], its N queries and the heads sharing a KV head as that head's query rows
+    (GQA without repeating K/V), one SDPA over all."""
+    _, heads, hd = q.shape
     _, _, block_size, kvh, _ = kv_cache.shape
+    group, width = heads // kvh, plan.width
+    s = plan.key_limit.shape[0]
     length = plan.num_blocks * block_size
     k = kv_cache[0].view(kv_cache.shape[1], -1).index_select(0, plan.flat_blocks)
     v = kv_cache[1].view(kv_cache.shape[1], -1).index_select(0, plan.flat_blocks)
-    k = k.view(d, length, kvh, hd).transpose(1, 2).to(q.dtype)
-    v = v.view(d, length, kvh, hd).transpose(1, 2).to(q.dtype)
-    qg = q.view(d, kvh, heads // kvh, hd)
-    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=plan.mask, scale=scale)
-    return o.reshape(d, heads, hd)
+    k = k.view(s, length, kvh, hd).transpose(1, 2).to(q.dtype)
+    v = v.view(s, length, kvh, hd).transpose(1, 2).to(q.dtype)
+    if plan.padded is not None:
+        q = q.index_select(0, plan.padded)
+    qg = q.view(s, width, kvh, group, hd).permute(0, 2, 3, 1, 4).reshape(s, kvh, group * width, hd)
+    mask = plan.mask(group, block_size)
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    o = o.view(s, kvh, group, width, hd).permute(0, 3, 1, 2, 4).reshape(s * width, heads, hd)
+    return o if plan.real is None else o.index_select(0, plan.real)

@@ -126,7 +126,7 @@ class EngineCore:
             for request, num_new in progressed:
                 outputs.append(self._process_tokens(request, num_new, now))
             if self.speculator is not None:
-                self.speculator.propose(self.scheduler, out)
+                self.speculator.propose(self.scheduler, out, [r for r, _ in progressed])
             self.kv.flush_offload()  # before the next step writes any device block again
         elif self.kv.loads is not None and self.kv.loads.jobs:
             self.kv.loads.wait()  # only copies in flight: wait for the first to land

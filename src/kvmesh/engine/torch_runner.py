@@ -121,6 +121,15 @@ class TorchRunner(ModelRunner):
             )
         return sampled
 
+    def proposer(self, config):  # -> spec.speculator.Proposer
+        """MTP drafts from this runner's hidden states (its own KV on top of the target's);
+        other methods as the base runner decides."""
+        if config.method == "mtp":
+            from kvmesh.engine.spec.mtp_proposer import MtpProposer
+
+            return MtpProposer(config, self)
+        return super().proposer(config)
+
     @torch.inference_mode()
     def run_idle_step(self) -> None:
         """This rank's forward in a lockstep step it has no tokens for: every MoE layer's

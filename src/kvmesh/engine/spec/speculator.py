@@ -74,15 +74,14 @@ class Speculator:
         room_positions = self.max_model_len - request.num_tokens - 1
         return max(0, min(self.k, room_outputs, room_positions))
 
-    def propose(self, scheduler: Scheduler, out: SchedulerOutput) -> None:
-        """Draft for every request whose step sampled and that runs on."""
+    def propose(self, scheduler: Scheduler, out: SchedulerOutput, sampled: list[Request]) -> None:
+        """Draft for every request whose step sampled (gained tokens) and that runs on."""
         self.proposer.observe_step(out)
         if not self.config.use_speculation(scheduler.num_running):
             return
         requests, limits = [], []
-        for item in out.scheduled:
-            request = item.request
-            if not item.samples or request.status != RequestStatus.RUNNING:
+        for request in sampled:
+            if request.status != RequestStatus.RUNNING:
                 continue
             limit = self.limit(request)
             if limit > 0:
