@@ -122,12 +122,17 @@ class TorchRunner(ModelRunner):
         return sampled
 
     def proposer(self, config):  # -> spec.speculator.Proposer
-        """MTP drafts from this runner's hidden states (its own KV on top of the target's);
-        other methods as the base runner decides."""
+        """MTP drafts from this runner's hidden states, a draft model from its own forward
+        (each with its own KV on top of the target's); other methods as the base runner
+        decides."""
         if config.method == "mtp":
             from kvmesh.engine.spec.mtp_proposer import MtpProposer
 
             return MtpProposer(config, self)
+        if config.method == "draft_model":
+            from kvmesh.engine.spec.draft_model_proposer import DraftModelProposer
+
+            return DraftModelProposer(config, self)
         return super().proposer(config)
 
     @torch.inference_mode()
