@@ -105,20 +105,27 @@ class TorchRunner(ModelRunner):
         self.last_hidden = hidden
         self.last_rows = rows
         sampled: SampledTokens = {}
+        spans = [(first, len(item.spec_token_ids) + 1) for item, first in verify_rows]
+        rows_needed = sample_rows + [r for first, n in spans for r in range(first, first + n)]
+        if not rows_needed:
+            return sampled
+        # one LM-head pass for every row that needs logits: each call reads the whole head
+        all_logits = self.model.compute_logits(hidden[rows_needed])
         if samplers:
-            logits = self.model.compute_logits(hidden[sample_rows])
+            logits = all_logits[: len(sample_rows)]
             ids = [r.request_id for r in samplers]
             tokens, logprobs = self.sampler(
                 logits, ids, [r.sampling for r in samplers], [blocked_tokens(r) for r in samplers]
             )
             for rid, tok, lp in zip(ids, tokens, logprobs, strict=True):
                 sampled[rid] = ([tok], [lp] if lp is not None else None)
-        for item, first in verify_rows:
+        at = len(sample_rows)
+        for (item, _), (_, n) in zip(verify_rows, spans, strict=True):
             req = item.request
-            logits = self.model.compute_logits(hidden[first : first + len(item.spec_token_ids) + 1])
             sampled[req.request_id] = self.sampler.verify(
-                logits, item.spec_token_ids, req.request_id, req.sampling
+                all_logits[at : at + n], item.spec_token_ids, req.request_id, req.sampling
             )
+            at += n
         return sampled
 
     def proposer(self, config):  # -> spec.speculator.Proposer
