@@ -173,6 +173,7 @@ def test_served_stream_equals_plain_and_metrics(smollm2):
     assert "vllm:spec_decode_num_drafts_total{" in text
 
 
+@pytest.mark.slow  # P/D and tiers with speculation: ~20 s each
 def test_pd_decode_engine_speculates(smollm2):
     from tests.conftest import engine_server
     from tests.test_pd_engine import PD, PROMPT, complete, prefill
@@ -191,6 +192,7 @@ def test_pd_decode_engine_speculates(smollm2):
         assert accepted and accepted[0] > 0
 
 
+@pytest.mark.slow  # P/D and tiers with speculation: ~20 s each
 def test_prefix_from_host_tier_with_speculation(smollm2):
     from tests.conftest import engine_server
     from tests.test_tiers_engine import TINY, evict_then_reuse
