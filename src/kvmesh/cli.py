@@ -153,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(rp, RouterConfig, ROUTER_HELP)
     rp.set_defaults(func=cmd_router)
 
+    from kvmesh.commands import convert
+
+    cp = sub.add_parser("convert-gguf", help=convert.CONVERT_HELP, description=convert.__doc__)
+    convert.add_args(cp)
+    cp.set_defaults(func=convert.main)
+
     from kvmesh.sim import replay
 
     sp = sub.add_parser(
