@@ -4,6 +4,7 @@ per policy (round-robin, kvmesh), the same agentic workload through each."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 from pathlib import Path
 
@@ -129,3 +130,152 @@ def test_engines_without_reset_get_fresh_prompts_per_policy(monkeypatch, tmp_pat
     assert set(rows) == {"round-robin", "kvmesh"}
     assert seen[0][0] != seen[1][0] and seen[0][1] != seen[1][1]
     assert any("ran on its own prompts" in n for n in notes)
+
+
+def test_router_port_puts_the_policies_routers_on_chosen_ports(monkeypatch, tmp_path) -> None:
+    """--router-port P: the i-th policy's router on P + i; unset, a free port each (0)."""
+    from kvmesh.bench.router_procs import Target
+
+    ports: list[int] = []
+
+    class Router:
+        def stop(self) -> None:
+            pass
+
+    def start_router(t, urls, prefix, bins, out, port=0):
+        ports.append(port)
+        return Router(), "http://r"
+
+    async def run_workload(url, wl, **kw):
+        return {"label": kw["label"]}
+
+    monkeypatch.setattr(fleet, "reset_caches", lambda urls: [])
+    monkeypatch.setattr(fleet, "kvmesh_engines", lambda urls: [])
+    monkeypatch.setattr(fleet, "start_router", start_router)
+    monkeypatch.setattr(fleet, "router_metrics", lambda url: {})
+    monkeypatch.setattr(fleet, "kv_move_counters", lambda urls: {})
+    monkeypatch.setattr(loadgen, "run_workload", run_workload)
+    targets = [Target("kvmesh", "round-robin"), Target("kvmesh", "kvmesh")]
+    for given in (9100, 0):
+        args = argparse.Namespace(
+            concurrency=1,
+            request_timeout=10,
+            time_scale_used=1.0,
+            prompt_format="text",
+            router_port=given,
+        )
+        fleet.run_policies(args, None, ["http://e"], targets, {}, tmp_path, None)
+    assert ports == [9100, 9101, 0, 0]
+
+
+def test_start_healthy_listens_on_the_port_given(tmp_path) -> None:
+    import sys
+
+    from kvmesh.bench.router_procs import start_healthy
+    from tests.helpers import free_port
+
+    server = (
+        "import http.server, sys\n"
+        "class H(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        self.send_response(200); self.end_headers()\n"
+        "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n"
+    )
+    port = free_port()
+    proc, url = start_healthy(
+        lambda p: [sys.executable, "-c", server, str(p)], tmp_path / "r.log", "r", port=port
+    )
+    try:
+        assert url == f"http://127.0.0.1:{port}"
+    finally:
+        proc.stop()
+
+
+def test_without_reset_every_policy_gets_prompts_no_other_shares(monkeypatch, tmp_path) -> None:
+    """No /reset_prefix_cache (vLLM outside dev mode): no request of one policy shares even a
+    short prefix with a request of another, so none can hit another's cached blocks."""
+    from kvmesh.bench.router_procs import Target
+    from kvmesh.bench.workloads import agentic
+
+    prefixes: dict[str, set[str]] = {}
+
+    class Router:
+        def stop(self) -> None:
+            pass
+
+    async def run_workload(url, wl, **kw):
+        prefixes[kw["label"]] = {" ".join(wl.text(r).split()[:8]) for r in wl.requests}
+        return {"label": kw["label"]}
+
+    monkeypatch.setattr(fleet, "reset_caches", lambda urls: [f"{urls[0]}: HTTP 404"])
+    monkeypatch.setattr(fleet, "kvmesh_engines", lambda urls: [])
+    monkeypatch.setattr(fleet, "start_router", lambda *a: (Router(), "http://r"))
+    monkeypatch.setattr(fleet, "router_metrics", lambda url: {})
+    monkeypatch.setattr(fleet, "kv_move_counters", lambda urls: {})
+    monkeypatch.setattr(loadgen, "run_workload", run_workload)
+    wl = agentic(**fleet.QUICK["agentic"])
+    args = argparse.Namespace(
+        concurrency=2, request_timeout=10, time_scale_used=1.0, prompt_format="text"
+    )
+    names = ("round-robin", "load", "kvmesh")
+    targets = [Target("kvmesh", name) for name in names]
+    fleet.run_policies(args, wl, ["http://e"], targets, {}, tmp_path, None)
+    assert set(prefixes) == set(names)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            assert not prefixes[a] & prefixes[b], (a, b)
+
+
+async def test_busy_is_read_only_from_kvmesh_engines_and_shown_unknown_else() -> None:
+    """vLLM engines are not asked kvmesh's /admin/timing, and their busy time reads "-", not
+    0%; with no engine metrics at all, preemptions read "-" too."""
+    import aiohttp
+    from aiohttp import web
+
+    from kvmesh.bench.fleet_engines import kvmesh_engines
+
+    asked: list[str] = []
+
+    def engine(owner: str) -> web.Application:
+        app = web.Application()
+
+        async def models(_: web.Request) -> web.Response:
+            return web.json_response({"data": [{"id": "m", "owned_by": owner}]})
+
+        async def metrics(_: web.Request) -> web.Response:
+            return web.Response(text="vllm:num_preemptions_total 0.0\n")
+
+        async def timing(_: web.Request) -> web.Response:
+            asked.append(owner)
+            return web.json_response({"predicted_step_s_sum": 1.0})
+
+        app.router.add_get("/v1/models", models)
+        app.router.add_get("/metrics", metrics)
+        app.router.add_get("/admin/timing", timing)
+        return app
+
+    runners, urls = [], []
+    for owner in ("vllm", "kvmesh"):
+        runner = web.AppRunner(engine(owner))
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        runners.append(runner)
+        urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
+    try:
+        timed = await asyncio.to_thread(kvmesh_engines, urls)
+        assert timed == urls[1:]
+        async with aiohttp.ClientSession() as http:
+            got = await loadgen.scrape_engines(http, urls, timed)
+        assert asked == ["kvmesh"] and "busy_s" not in got[urls[0]] and got[urls[1]]["busy_s"]
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+    recs = [loadgen.Record(0, 0.0, endpoint=urls[0])]
+    vllm_only = {urls[0]: got[urls[0]]}
+    s = loadgen.summarize(recs, 1.0, vllm_only, vllm_only, urls[:1])
+    assert s["busy_mean"] is None and s["preemptions"] == 0
+    blind = loadgen.summarize(recs, 1.0, {}, {}, [])
+    assert blind["busy_mean"] is None and blind["preemptions"] is None
+    table = loadgen.table([("vllm", s), ("blind", blind)], 0.5, "t")
+    cells = {c.header: list(c.cells) for c in table.columns}
+    assert cells["busy"] == ["-", "-"] and cells["preempt"] == ["0", "-"]

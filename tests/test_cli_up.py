@@ -62,3 +62,40 @@ def test_up_starts_serve_and_router_with_its_flags_and_keys_by_environment(monke
     assert dataclasses.replace(got, endpoint_api_key="k1") == rcfg  # unset: its --api-key
     assert got.upstream_authorization(None) == rcfg.upstream_authorization(None)
     assert (got.block_size, got.preset, got.max_retries) == (32, "load", 4)
+
+
+def test_up_says_what_it_waits_for_while_children_start(monkeypatch, capsys):
+    """While the engines load, a line at least every WAITING_EVERY_S says how many answer;
+    then one when they all do, one as the router starts, one when it answers."""
+    import sys
+    import time
+
+    from kvmesh.commands import up
+
+    healthy_from = time.monotonic() + 0.5
+    # the router child asks `up` (its parent) to stop once started, as a user would
+    stops_up = "import os, signal, time; time.sleep(0.3); os.kill(os.getppid(), signal.SIGTERM)"
+    sleeps = "import time; time.sleep(60)"
+    monkeypatch.setattr(up, "engine_command", lambda *a: [sys.executable, "-c", sleeps])
+    monkeypatch.setattr(
+        up, "router_command", lambda *a: [sys.executable, "-c", stops_up + ";" + sleeps]
+    )
+    monkeypatch.setattr(up, "_healthy", lambda url: time.monotonic() >= healthy_from)
+    monkeypatch.setattr(up, "_model_name", lambda url, key: "m")
+    monkeypatch.setattr(up, "WAITING_EVERY_S", 0.1)
+    monkeypatch.setattr(up, "GRACE_S", 0.5)
+    args = build_parser().parse_args(["up", "--port", "9400"])
+    assert up.run_up(_engine_config(args), None, args) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("kvmesh")]
+    assert "kvmesh up: waiting for the engine: 0 of 1 answer /health after 0 s" in lines
+    order = [
+        "kvmesh up: starting the engine",
+        "kvmesh up: waiting for the engine",
+        "kvmesh up: the engine answers /health after",
+        "kvmesh up: starting the router on port 9400",
+        "kvmesh up: the router answers /health after",
+        "kvmesh ready: http://127.0.0.1:9400/v1",
+    ]
+    at = [next(i for i, line in enumerate(lines) if line.startswith(o)) for o in order]
+    assert at == sorted(at)

@@ -215,7 +215,7 @@ def test_long_prompts_are_tokenized_off_the_event_loop(untrusted, monkeypatch):
         return gated
 
     monkeypatch.setattr(serving, "encode_off_loop", gate(serving.encode_off_loop))
-    monkeypatch.setattr(router.tokens, "encode_completion", gate(router.tokens.encode_completion))
+    monkeypatch.setattr(router.tokens, "ids_and_keys", gate(router.tokens.ids_and_keys))
     body = {"prompt": "lorem ipsum " * 200_000, "max_tokens": 1}  # 2.4 MB, the router's path
     short = {"prompt": "lorem ipsum " * 20_000, "max_tokens": 1}  # within the engine's bound
     for url, prompt in ((untrusted[0], body), (untrusted[1], short)):

@@ -98,7 +98,12 @@ async def test_ranks_are_scheduled_pinned_and_indexed_apart(tokenizer, tmp_path)
         "schedulingProfiles: [{name: default, plugins: [{pluginRef: round-robin-picker},"
         " {pluginRef: precise-prefix-cache-scorer}]}]\n"
     )
-    cfg = RouterConfig(endpoints_file=str(path), scheduler_config=str(picker), scrape_interval=0.05)
+    cfg = RouterConfig(
+        endpoints_file=str(path),
+        scheduler_config=str(picker),
+        scrape_interval=0.05,
+        engine_model_check=False,  # the fakes serve no model
+    )
     router = Router(cfg, tokenizer)
     server = await start_router(router, "127.0.0.1", 0)
     port = server.server.sockets[0].getsockname()[1]
@@ -143,6 +148,7 @@ async def test_ranks_are_discovered_from_the_metrics_page(tokenizer) -> None:
             kv_events=None,
             scrape_interval=0.05,
             discover_data_parallel=discover,
+            engine_model_check=False,
         )
         router = Router(cfg, tokenizer)
         server = await start_router(router, "127.0.0.1", 0)

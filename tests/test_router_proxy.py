@@ -96,6 +96,7 @@ class Engine:
 async def routed(tokenizer, engines: list[Engine], preset: str = "round-robin", **config):
     for e in engines:
         await e.start()
+    config.setdefault("engine_model_check", False)  # these fakes echo; they serve no model
     cfg = RouterConfig([e.url for e in engines], preset=preset, kv_events=None, **config)
     router = Router(cfg, tokenizer)
     server = await start_router(router, "127.0.0.1", 0)
@@ -259,12 +260,12 @@ async def test_expect_continue_and_chunked_request_body(tokenizer) -> None:
 
 async def test_large_prompt_is_tokenized_off_the_event_loop(tokenizer) -> None:
     async with routed(tokenizer, [Engine("ok")], preset="approx-prefix") as (router, port):
-        real, inside, overlaps = router.tokens.encode_completion, [], []
+        real, inside, overlaps = router.tokens.ids_and_keys, [], []
         threads: dict[bool, str] = {}
         finished = threading.Event()
         lock = threading.Lock()
 
-        def encode(prompt: str, special: bool = True) -> list[int]:
+        def encode(prompt: str, special: bool, salt: str | None):
             with lock:
                 inside.append(prompt)
                 overlaps.append(len(inside))
@@ -275,9 +276,9 @@ async def test_large_prompt_is_tokenized_off_the_event_loop(tokenizer) -> None:
                 finished.set()
             with lock:
                 inside.pop()
-            return real(prompt, special)
+            return real(prompt, special, salt)
 
-        router.tokens.encode_completion = encode
+        router.tokens.ids_and_keys = encode
         big = asyncio.create_task(
             exchange(port, post("/v1/completions", {"prompt": "w " * 40_000}))
         )
@@ -296,7 +297,8 @@ async def test_idle_client_connections_are_closed(tokenizer) -> None:
     from kvmesh.router.listener import serve
 
     engine = await Engine("ok").start()
-    router = Router(RouterConfig([engine.url], preset="round-robin", kv_events=None), tokenizer)
+    cfg = RouterConfig([engine.url], preset="round-robin", kv_events=None, engine_model_check=False)
+    router = Router(cfg, tokenizer)
     await router.start()
     server = await serve(router, "127.0.0.1", 0, 1000, idle_timeout=0.1)
     port = server.server.sockets[0].getsockname()[1]

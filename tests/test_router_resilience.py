@@ -52,6 +52,7 @@ def endpoint_of(raw: bytes) -> str:
 @contextlib.asynccontextmanager
 async def router_for(tokenizer, urls: list[str], **config):
     config = {"preset": "round-robin", "kv_events": None, **config}
+    config.setdefault("engine_model_check", False)  # the fakes serve no model
     cfg = RouterConfig(urls, scrape_interval=0.05, **config)
     router = Router(cfg, tokenizer)
     server = await start_router(router, "127.0.0.1", 0)

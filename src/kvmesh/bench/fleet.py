@@ -22,6 +22,7 @@ from kvmesh.bench import cli_args, loadgen
 from kvmesh.bench.fleet_engines import (
     engine_timing,
     kv_move_counters,
+    kvmesh_engines,
     reset_caches,
     router_metrics,
     start_engines,
@@ -90,6 +91,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="Also run every policy over a fresh fleet whose engines take these extra `kvmesh "
         "serve` flags after --serve-args; its rows are labelled POLICY@NAME, e.g. "
         "'host=--kv-offloading-size 64' for the host tier on against off. Repeatable.",
+    )
+    parser.add_argument(
+        "--router-port",
+        type=int,
+        default=0,
+        help="Port of the first policy's router on 127.0.0.1; the routers run one at a time, "
+        "the i-th on this port + i. 0: a free port each [0].",
     )
     parser.add_argument("--sglang-router-bin", default=None, help="sglang-router executable.")
     parser.add_argument("--vllm-router-bin", default=None, help="vllm-router executable.")
@@ -199,6 +207,7 @@ def run_policies(
     on what went wrong (a router that failed keeps the others' rows)."""
     rows: dict[str, dict] = {}
     skipped: list[str] = []
+    timed = kvmesh_engines(urls)  # vLLM pods are not asked kvmesh's own routes
     for i, t in enumerate(targets):
         name = (t.name or (t.policy if t.kind == "kvmesh" else f"{t.kind}:{t.policy}")) + suffix
         notes = reset_caches(urls)
@@ -208,12 +217,13 @@ def run_policies(
             # so this policy meets caches that hold none of its prompts, in the same shape
             skipped.append(f"{name}: ran on its own prompts (workload seed {wl.seed + i})")
         policy_wl = dataclasses.replace(wl, seed=wl.seed + i) if notes else wl
+        port = args.router_port + i if getattr(args, "router_port", 0) else 0
         try:
-            router, url = start_router(t, urls, [], bins, out)
+            router, url = start_router(t, urls, [], bins, out, port)
         except RuntimeError as exc:  # one router that fails to start skips its row only
             skipped.append(f"{name}: did not start ({str(exc)[:200]})")
             continue
-        pulls_before, timing_before = kv_move_counters(urls), engine_timing(urls)
+        pulls_before, timing_before = kv_move_counters(urls), engine_timing(timed)
         try:
             row = asyncio.run(
                 loadgen.run_workload(
@@ -229,7 +239,7 @@ def run_policies(
                 )
             )
             row["router_metrics"] = rm = router_metrics(url)
-            pulls, timing = kv_move_counters(urls), engine_timing(urls)
+            pulls, timing = kv_move_counters(urls), engine_timing(timed)
             row["kv_moves"] = {k: v - pulls_before.get(k, 0.0) for k, v in pulls.items()}
             row["timing"] = {k: v - timing_before.get(k, 0) for k, v in timing.items()}
             rows[name] = row
@@ -275,6 +285,9 @@ def main(args: argparse.Namespace) -> int:
     given = [u.strip().rstrip("/") for u in args.endpoints.split(",") if u]
     if given and args.engine_variant:
         console.print("kvmesh bench fleet: --engine-variant needs engines it starts")
+        return 2
+    if not 0 <= args.router_port <= 65535 - len(targets):
+        console.print("kvmesh bench fleet: --router-port must leave a port for every policy")
         return 2
     scale = args.time_scale_used = 1.0 if given else args.emulate_time_scale  # real: real time
     if not scale > 0:

@@ -36,6 +36,27 @@ def admin_headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
+def kvmesh_models(doc: object) -> bool:
+    """Whether a GET /v1/models answer is a kvmesh engine's (its cards are owned_by "kvmesh",
+    as vLLM's are by "vllm"): only those are asked kvmesh's own routes (/admin/timing)."""
+    cards = doc.get("data") if isinstance(doc, dict) else None
+    return bool(cards) and all(isinstance(c, dict) and c.get("owned_by") == "kvmesh" for c in cards)
+
+
+def kvmesh_engines(urls: list[str]) -> list[str]:
+    """The engines among `urls` whose /v1/models says they are kvmesh engines."""
+    out = []
+    for url in urls:
+        try:
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as resp:
+                doc = json.loads(resp.read())
+        except (OSError, ValueError):
+            continue
+        if kvmesh_models(doc):
+            out.append(url)
+    return out
+
+
 def _event_base(n: int, per_engine: int = 2) -> int:
     """A port P with P..P+per_engine*n-1 free (engine i publishes on P+2i, replays on P+2i+1;
     a third port each, from P+2n, for its HTTP server when the engines' ports are fixed)."""
@@ -176,7 +197,8 @@ def kv_move_counters(urls: list[str]) -> dict[str, float]:
 
 def engine_timing(urls: list[str]) -> dict[str, float]:
     """Emulated steps and how often an engine fell behind its own step timeline (a host too
-    busy for the fleet's pace), summed over the engines; empty for real engines."""
+    busy for the fleet's pace), summed over the engines; empty for real engines. Give it only
+    kvmesh engines (kvmesh_engines): the route is kvmesh's own."""
     out: dict[str, float] = {}
     for url in urls:
         try:

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -19,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvmesh.bench.fleet_engines import admin_headers
+from kvmesh.bench.fleet_engines import admin_headers, kvmesh_engines
 from kvmesh.bench.http_load import first_model
 from kvmesh.bench.workloads import VOCAB, Request, Workload
 from kvmesh.protocol.prom import parse_samples
@@ -140,7 +141,8 @@ async def run_workload(
         if prompt_format == "ids":
             vocab = await vocab_token_ids(http, engines[0] if engines else url, model)
             prompt = lambda r: wl.token_ids(r, vocab)  # noqa: E731
-        before = await scrape_engines(http, engines)
+        timed = await asyncio.to_thread(kvmesh_engines, list(engines))
+        before = await scrape_engines(http, engines, timed)
         task = progress.add_task(label or wl.kind, total=len(wl.requests)) if progress else None
         done = {r.rid: asyncio.Event() for r in wl.requests}
         records: list[Record] = []
@@ -182,7 +184,7 @@ async def run_workload(
                 tasks.append(asyncio.create_task(session(s)))
             await asyncio.gather(*tasks)
         wall = (time.perf_counter() - t0) / scale
-        after = await scrape_engines(http, engines)
+        after = await scrape_engines(http, engines, timed)
     records.sort(key=lambda x: x.rid)
     return summarize(records, wall, before, after, engines)
 
@@ -235,14 +237,19 @@ def parse_counters(text: str) -> dict[str, float]:
     return out
 
 
-async def scrape_engines(http: aiohttp.ClientSession, engines: list[str]) -> dict[str, dict]:
-    """Each engine's COUNTERS and, from emulated engines, the predicted busy time."""
+async def scrape_engines(
+    http: aiohttp.ClientSession, engines: list[str], timed: Collection[str] = ()
+) -> dict[str, dict]:
+    """Each engine's COUNTERS and, from the kvmesh engines among them (`timed`: only those serve
+    /admin/timing, and only emulated ones answer it), the predicted busy time."""
 
     async def one(url: str) -> dict:
         got: dict = {}
         try:
             async with http.get(f"{url}/metrics") as resp:
                 got.update(parse_counters(await resp.text()))
+            if url not in timed:
+                return got
             async with http.get(f"{url}/admin/timing", headers=admin_headers()) as resp:
                 if resp.status == 200:
                     got["busy_s"] = float((await resp.json()).get("predicted_step_s_sum", 0.0))
@@ -264,10 +271,13 @@ def summarize(
     for u in engines:
         a, b = after.get(u, {}), before.get(u, {})
         d = {k: a.get(k, 0.0) - b.get(k, 0.0) for k in deltas if k in a}
-        d["busy"] = d.get("busy_s", 0.0) / wall if wall > 0 else 0.0
+        if "busy_s" in a and "busy_s" in b:  # told by the engine (emulated kvmesh), else unknown
+            d["busy"] = d["busy_s"] / wall if wall > 0 else 0.0
         per_engine[u] = d
         for k in deltas:
             deltas[k] += d.get(k, 0.0)
+    busy = [d["busy"] for d in per_engine.values() if "busy" in d]
+    counted = any("preemptions" in d for d in per_engine.values())
     load = {u: 0 for u in engines}
     for r in records:
         load[r.endpoint] = load.get(r.endpoint, 0) + 1
@@ -299,10 +309,9 @@ def summarize(
         "engine_hit_rate": round(deltas["hits"] / deltas["queries"], 4)
         if deltas["queries"]
         else None,
-        "preemptions": int(deltas["preemptions"]),
-        "busy_mean": round(sum(d["busy"] for d in per_engine.values()) / len(per_engine), 3)
-        if per_engine
-        else None,
+        # None where no engine said (no engine metrics read; no busy time outside emulation)
+        "preemptions": int(deltas["preemptions"]) if counted else None,
+        "busy_mean": round(sum(busy) / len(busy), 3) if busy else None,
         "engines": per_engine,
         # per request, for plots: start s, ttft ms, e2e ms, prompt, cached, output, endpoint, ok
         "records": [_row(r) for r in records],
@@ -341,7 +350,7 @@ def table(rows: list[tuple[str, dict]], ceiling: float, title: str) -> Table:
             f"{s['output_tok_s']:.0f}",
             f"{s['load_max_mean']:.2f}",
             f"{busy:.0%}" if busy is not None else "-",
-            str(s["preemptions"]),
+            str(s["preemptions"]) if s.get("preemptions") is not None else "-",
             str(s["errors"]),
         )
     return t

@@ -169,25 +169,33 @@ def router_command(t: Target, urls: list[str], port: int, bins: dict[str, str | 
 
 
 def start_router(
-    t: Target, urls: list[str], prefix: list[str], bins: dict[str, str | None], out: Path
+    t: Target,
+    urls: list[str],
+    prefix: list[str],
+    bins: dict[str, str | None],
+    out: Path,
+    port: int = 0,
 ) -> tuple[Proc, str]:
+    """The router `t` in front of `urls`, on `port` (0: a free one), once healthy."""
     name = f"{t.kind}-{t.name or t.policy}-{len(urls)}".replace("_", "-")
     return start_healthy(
         lambda port: [*prefix, *router_command(t, urls, port, bins)],
         out / f"router-{name}.log",
         t.label,
+        port=port,
     )
 
 
 def start_healthy(
-    command: Callable[[int], list[str]], log: Path, label: str, attempts: int = 3
+    command: Callable[[int], list[str]], log: Path, label: str, attempts: int = 3, port: int = 0
 ) -> tuple[Proc, str]:
-    """Start `command(port)` on a free port until GET /health answers 200: (process, URL).
-    A process that exits before that is started again on another port, as the free port it
-    was given may have been taken between the pick and the bind."""
+    """Start `command(port)` until GET /health answers 200: (process, URL). On `port` when
+    given (one attempt); else on a free port, and a process that exits before it is healthy is
+    started again on another, as the port may have been taken between the pick and the bind."""
     proc: Proc | None = None
-    for _ in range(attempts):
-        port = free_port()
+    chosen = port
+    for _ in range(1 if chosen else attempts):
+        port = chosen or free_port()
         proc = Proc(command(port), log)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120

@@ -22,6 +22,13 @@ ROUTER_HELP = {
     "approx-prefix, precise-prefix, kvmesh.",
     "tokenizer": "Tokenizer of the served model: a local HF directory or GGUF file (default: "
     "the embedded SmolLM2's).",
+    "served_model_name": "The model name clients send (the engines' --served-model-name): "
+    "every engine's GET /v1/models must list it. Default: not checked.",
+    "engine_model_check": "At start ask each engine's GET /v1/models and POST /tokenize; refuse "
+    "to start (exit 2) when one does not serve --served-model-name (or a model the endpoints "
+    "file lists for it) or splits probe texts into other token ids than --tokenizer (another "
+    "model: no prefix would match). An engine that joins or restarts so is kept out of "
+    "rotation. --no-engine-model-check routes to them anyway.",
     "block_size": "The engines' KV block size (prefix keys are computed exactly as theirs). "
     "Default: learned from each engine's /metrics (vllm:cache_config_info) at start, 16 "
     "until one reports it. Given, the router refuses to start (exit 2) when an engine reports "
@@ -107,13 +114,14 @@ def cmd_router(args: argparse.Namespace) -> int:
         return 2
 
     from kvmesh.router.block_size import BlockSizeMismatch
+    from kvmesh.router.engine_model import EngineModelMismatch
 
     refused: list[str] = []
 
     async def main() -> None:
         try:
             router, runner = await start_router_from(config, args.host, args.port)
-        except BlockSizeMismatch as exc:
+        except (BlockSizeMismatch, EngineModelMismatch) as exc:
             refused.append(str(exc))
             return
         # what the router serves now: the endpoints file read, servers split into their

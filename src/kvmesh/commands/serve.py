@@ -162,6 +162,7 @@ def up_router_config(config: EngineConfig, args: argparse.Namespace, endpoints, 
         api_key=config.api_key,  # clients send it to the router, the router to the engines
         endpoint_api_key=config.api_key,
         trust_request_chat_template=config.trust_request_chat_template,
+        served_model_name=config.served_model_name,
         **chosen,
     )
 
@@ -243,14 +244,17 @@ def run_emulated_data_parallel(config: EngineConfig, emu, args: argparse.Namespa
 
 def run_emulated(config: EngineConfig, emu, args: argparse.Namespace) -> int:
     """`kvmesh serve --emulate N`: N emulated engines on consecutive ports from --port."""
+    from kvmesh.engine import load_progress
     from kvmesh.engine.emulation.host import EmulatedFleet
     from kvmesh.engine.server import run, wait_for_shutdown
     from kvmesh.engine.tokenizer import load_tokenizer
 
     count = args.emulate or 1
+    load_progress.step("loading the tokenizer (emulated engines load no weights)")
     tokenizer, _ = load_tokenizer(config.model)
 
     async def main() -> None:
+        load_progress.step("building %d emulated engine(s)", count)
         fleet = EmulatedFleet(config, emu, tokenizer, count)
         urls = await fleet.start(args.host, args.port)
         spec = f"{emu.emulate_model} on {emu.tensor_parallel_size} x {emu.emulate_gpu}"

@@ -35,6 +35,7 @@ from kvmesh.protocol import auth
 
 GRACE_S = 5.0  # after SIGTERM, a child gets this long to finish before it is killed
 POLL_S = 0.1  # the supervisor's look at its children and at the signals it was sent
+WAITING_EVERY_S = 10.0  # while children start, a line at least this often says what is awaited
 START_TIMEOUT_S = 900.0  # loading a large model takes minutes; a child stuck longer is stopped
 SECRET_FIELDS = {  # EngineConfig field -> the environment variable its child reads it from
     "api_key": auth.API_KEY_ENV,
@@ -152,18 +153,30 @@ class Stack:
                 return name, code
         return None
 
-    def wait_healthy(self, urls: list[str]) -> bool:
+    def wait_healthy(self, urls: list[str], what: str) -> bool:
         """Until every URL answers GET /health 200: False when a child exits or a signal comes
-        first, or START_TIMEOUT_S passes."""
-        deadline = time.monotonic() + START_TIMEOUT_S
-        pending = list(urls)
+        first, or START_TIMEOUT_S passes. Every WAITING_EVERY_S a line says how many of `what`
+        answer so far; one more says when all do."""
+        start = time.monotonic()
+        deadline, report_at = start + START_TIMEOUT_S, start + WAITING_EVERY_S
+        pending, now = list(urls), start
         while pending:
             if self.signalled or self.exited() or time.monotonic() > deadline:
                 return False
-            if _healthy(pending[0]):
-                pending.pop(0)
-            else:
+            pending = [url for url in pending if not _healthy(url)]
+            now = time.monotonic()
+            if pending and now >= report_at:
+                report_at = now + WAITING_EVERY_S
+                up = len(urls) - len(pending)
+                print(
+                    f"kvmesh up: waiting for the {what}: {up} of {len(urls)} answer /health "
+                    f"after {now - start:.0f} s",
+                    flush=True,
+                )
+            if pending:
                 time.sleep(POLL_S)
+        verb = "answers" if len(urls) == 1 else "answer"
+        print(f"kvmesh up: the {what} {verb} /health after {now - start:.1f} s", flush=True)
         return True
 
     def stop(self) -> None:
@@ -253,10 +266,11 @@ def run_up(config: EngineConfig, emu, args: argparse.Namespace) -> int:
     code = 0
     try:
         stack.start("engine", engine_command(config, emu, args))
-        up = stack.wait_healthy(engines)
+        up = stack.wait_healthy(engines, f"{count} engine(s)" if count > 1 else "engine")
         if up:  # the router learns what the engines cache from their event replay at its start
+            print(f"kvmesh up: starting the router on port {args.port} ...", flush=True)
             stack.start("router", router_command(rcfg, config, args))
-            up = stack.wait_healthy([f"http://{local}:{args.port}"])
+            up = stack.wait_healthy([f"http://{local}:{args.port}"], "router")
         if not up and not stack.signalled and stack.exited() is None:
             print(
                 f"kvmesh up: not healthy within {START_TIMEOUT_S:.0f} s; stopping", file=sys.stderr

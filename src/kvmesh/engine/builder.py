@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from kvmesh.engine import load_progress
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.auth import EngineKeys
 from kvmesh.engine.config import EngineConfig
@@ -164,6 +165,12 @@ def tier_slots(
 def build_engine(config: EngineConfig, expert_parallel=None) -> EngineBundle:
     """expert_parallel: this data-parallel rank's models.expert_parallel.ExpertParallelConfig
     (a MoE model then loads only the experts the rank holds)."""
+    t0 = time.perf_counter()
+    logger.info(
+        "loading %s on %s (the embedded model takes 10-40 s on a small CPU)...",
+        config.model or "the embedded SmolLM2-135M-Instruct",
+        config.device,
+    )
     import torch
 
     from kvmesh.engine.models.loader import load_model
@@ -172,15 +179,10 @@ def build_engine(config: EngineConfig, expert_parallel=None) -> EngineBundle:
     if config.device == "cpu":
         torch.set_num_threads(config.resolved_threads())
     torch.manual_seed(config.seed)
-    t0 = time.perf_counter()
-    logger.info(
-        "loading %s on %s (the embedded model takes 10-40 s on a small CPU)...",
-        config.model or "the embedded SmolLM2-135M-Instruct",
-        config.device,
-    )
     extra = {} if expert_parallel is None else {"expert_parallel": expert_parallel}
     loaded = load_model(config.model, device=config.device, dtype=config.torch_dtype(), **extra)
     logger.info("loaded %s in %.1fs", loaded.name, time.perf_counter() - t0)
+    load_progress.step("allocating the KV cache")
     runner = TorchRunner(config, loaded)
     eos = tuple(loaded.config.eos_token_ids)
     return assemble(config, runner, loaded.tokenizer, loaded.name, str(loaded.path), eos)

@@ -37,16 +37,39 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
-def load_gguf_tokenizer(gguf: Path) -> Any:
+# tokenizer_config.json classes that are the plain fast tokenizer, which loads without
+# AutoTokenizer: importing that pulls in torch (seconds of CPU an emulated engine or a router
+# never needs)
+PLAIN_FAST_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _load_saved(folder: Path) -> Any:
+    """A tokenizer saved by save_pretrained: as AutoTokenizer loads it, without importing
+    AutoTokenizer when the saved class is the plain fast tokenizer."""
+    try:
+        saved = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        saved = {}
+    if saved.get("tokenizer_class") in PLAIN_FAST_CLASSES:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(folder)
     from transformers import AutoTokenizer
 
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def load_gguf_tokenizer(gguf: Path) -> Any:
     stat = gguf.stat()
     cached = _cache_dir() / "tokenizers" / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
     if (cached / "tokenizer.json").exists():
         try:
-            return AutoTokenizer.from_pretrained(cached)
+            return _load_saved(cached)
         except Exception:  # a damaged cache is rebuilt, never fatal
             logger.warning("tokenizer cache %s unreadable; rebuilding", cached)
+    from transformers import AutoTokenizer
+
+    logger.info("converting the GGUF vocabulary of %s to a tokenizer (once: cached)", gguf.name)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     try:
         cached.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ from kvmesh.protocol.auth import bearer, validate_key
 from kvmesh.router import handlers
 from kvmesh.router.block_size import EngineBlockSize
 from kvmesh.router.endpoints import Endpoint, EndpointPool
+from kvmesh.router.engine_model import EngineModelCheck
 from kvmesh.router.events import EventIngest
 from kvmesh.router.frontdoor import FrontDoor, Request
 from kvmesh.router.index import ApproximateIndex, PreciseIndex
@@ -37,6 +38,9 @@ class RouterConfig:
     scheduler_config: str | None = None  # EndpointPickerConfig YAML file
     preset: str = "kvmesh"
     tokenizer: str | None = None  # None: the embedded default model's tokenizer
+    served_model_name: str | None = None  # the model clients ask for: every engine must serve it
+    # refuse engines of another model or tokenizer (router.engine_model); off: route to them
+    engine_model_check: bool = True
     block_size: int | None = None  # the engines' KV block size; None: learned from them
     prefix_caching_hash_algo: str = "sha256"
     kv_events: str | None = "auto"  # "auto": ask each endpoint's /kv_event_sources; None: off
@@ -139,6 +143,7 @@ class Router:
         )
         self.block_size.on_change.append(self._block_size_changed)
         self.pool.metrics = self.metrics
+        self.model_check = EngineModelCheck(config, tokenizer, self.pool)
         self.session: aiohttp.ClientSession | None = None
         self.events: EventIngest | None = None
         self.warm_until = 0.0  # monotonic: requests wait for the index until then (0: never)
@@ -178,7 +183,8 @@ class Router:
 
     async def start(self) -> None:
         """Reads every endpoint's /metrics once first (a few seconds at most): raises
-        BlockSizeMismatch, with nothing left running, when their block sizes refuse a start."""
+        BlockSizeMismatch, with nothing left running, when their block sizes refuse a start,
+        and EngineModelMismatch when one that answered serves another model or tokenizer."""
         conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
         self.session = aiohttp.ClientSession(connector=conn, auto_decompress=False)
         self.events = EventIngest(
@@ -198,11 +204,13 @@ class Router:
         try:
             await self.pool.scrape_once(self.session)
             self.block_size.start(self.pool.endpoints.values())
+            await self.model_check.start(self.session)
         except BaseException:
             await self.events.stop()
             await self.session.close()
             raise
         self.pool.check_block_size = self.block_size.check
+        self.pool.check_model = self.model_check.later
         if self.config.kv_events and subscribe:
             self.warm_until = time.monotonic() + self.config.kv_index_warmup_timeout
             for e in self.pool.endpoints.values():
@@ -221,6 +229,7 @@ class Router:
 
     async def stop(self) -> None:
         await self.pool.stop()
+        await self.model_check.stop()
         if self.events is not None:
             await self.events.stop()
         if self.session is not None:
@@ -240,9 +249,11 @@ class Router:
     def pick(self, req: SchedulingRequest, exclude: set[str]) -> SchedulingResult | None:
         # fail open: with no endpoint marked healthy (missed scrapes of busy engines, say) try
         # them all; a dead one fails before the first byte and the request moves on. Never one
-        # of another block size: its prefix keys would be wrong, however healthy it is
+        # of another block size or model: its prefix keys would be wrong, however healthy it is
         candidates = self.pool.candidates() or [
-            e for e in self.pool.endpoints.values() if not e.block_size_mismatch
+            e
+            for e in self.pool.endpoints.values()
+            if not (e.block_size_mismatch or e.model_mismatch)
         ]
         if exclude:
             candidates = [e for e in candidates if e.name not in exclude]

@@ -51,6 +51,8 @@ class Endpoint:
     times_ejected: int = 0  # the next ejection lasts base time x this, decaying while in service
     block_size: int | None = None  # as its /metrics says (vllm:cache_config_info); None: unsaid
     block_size_mismatch: bool = False  # not the router's block size: out of rotation
+    model_checked: bool = False  # router.engine_model judged what it serves since it was reached
+    model_mismatch: bool = False  # not the router's model or tokenizer: out of rotation
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
@@ -143,10 +145,11 @@ def rank_page(text: str, rank: int | None) -> str:
 
 class EndpointPool:
     """The live set of endpoints, kept fresh by background tasks on the router's event loop.
-    Invariant: candidates() are the healthy (reachable) endpoints not ejected at that moment
-    and not keyed in another block size than the router's (router.block_size judges each
-    scrape's); a scrape never ends an ejection early, except for an endpoint that was gone
-    LOST_AFTER checks (a restarted engine starts afresh)."""
+    Invariant: candidates() are the healthy (reachable) endpoints not ejected at that moment,
+    not keyed in another block size than the router's (router.block_size judges each scrape's)
+    and not serving another model (router.engine_model judges each once reached); a scrape
+    never ends an ejection early, except for an endpoint that was gone LOST_AFTER checks (a
+    restarted engine starts afresh)."""
 
     def __init__(
         self,
@@ -164,6 +167,7 @@ class EndpointPool:
         self.on_added = lambda endpoint: None
         self.on_lost = lambda name: None  # an endpoint failed LOST_AFTER checks in a row
         self.check_block_size = lambda endpoint: None  # after each scrape that read its page
+        self.check_model = lambda endpoint: None  # after each scrape that reached one unjudged
         self.metrics = None  # RouterMetrics: ejections and re-admissions are counted there
         self.discover_data_parallel = discover_data_parallel
         self.outlier = outlier or OutlierDetection()
@@ -176,7 +180,9 @@ class EndpointPool:
         return [
             e
             for e in self.endpoints.values()
-            if e.healthy and e.ejected_until <= now and not e.block_size_mismatch
+            if e.healthy
+            and e.ejected_until <= now
+            and not (e.block_size_mismatch or e.model_mismatch)
         ]
 
     def unreachable(self, e: Endpoint) -> None:
@@ -298,6 +304,7 @@ class EndpointPool:
                 self._count("readmissions", e.name, "reachable")
                 if e.failures >= LOST_AFTER:  # it was gone: a restarted engine starts afresh
                     forget_ejections(e)
+                    e.model_checked = False  # and may serve another model
             e.mark_success()
             page = rank_page(text, e.dp_rank)
             e.waiting, e.running, e.kv_usage = parse_engine_load(page)
@@ -305,6 +312,8 @@ class EndpointPool:
             # kvmesh's cache_config_info has no engine label: the whole page's then
             e.block_size = parse_block_size(page) or parse_block_size(text)
             self.check_block_size(e)
+            if not e.model_checked:
+                self.check_model(e)
 
     def _split(self, servers: tuple[Endpoint, ...], ranks: list[int]) -> list[Endpoint]:
         """A server found to host several data-parallel ranks becomes one endpoint per rank."""

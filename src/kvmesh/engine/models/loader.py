@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from kvmesh.engine import load_progress
 from kvmesh.engine.models.expert_parallel import ExpertParallelConfig
 from kvmesh.engine.models.llama import ARCHITECTURES, LlamaForCausalLM, ModelConfig
 from kvmesh.engine.models.moe import MoeConfig, MoeForCausalLM
@@ -117,6 +118,7 @@ def _load_hf_dir(path: Path, device, dtype, ep: ExpertParallelConfig | None) -> 
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path}: no *.safetensors weights")
+    load_progress.step("reading the weights: %d safetensors file(s) in %s", len(files), path)
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         for file in files:
@@ -125,6 +127,7 @@ def _load_hf_dir(path: Path, device, dtype, ep: ExpertParallelConfig | None) -> 
                     yield name, f.get_tensor(name)
 
     model = _build(config, weights(), device, dtype, ep)
+    load_progress.step("loading the tokenizer")
     tokenizer, name = load_tokenizer(str(path))
     if tokenizer.chat_template is None:
         logger.warning("%s has no chat template; chat completions will fail", path)
@@ -139,6 +142,7 @@ def _load_hf_dir(path: Path, device, dtype, ep: ExpertParallelConfig | None) -> 
 def _load_gguf(path: Path, name: str, device, dtype) -> LoadedModel:
     import gguf
 
+    load_progress.step("reading %s (metadata, vocabulary, tensor index)", path.name)
     reader = gguf.GGUFReader(path)
     # scalars and short arrays only: decoding the vocabulary arrays would take seconds
     meta = {k: f.contents() for k, f in reader.fields.items() if len(f.data) <= 64}
@@ -169,9 +173,14 @@ def _load_gguf(path: Path, name: str, device, dtype) -> LoadedModel:
             w = _unpermute(w, config.num_key_value_heads)
         return hf_name(t.name), w
 
+    shape = (config.num_hidden_layers, config.hidden_size)
+    load_progress.step("building the model (%d layers, hidden size %d)", *shape)
     # numpy releases the GIL for much of the dequantisation, so two threads still help
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-        model = _build(config, pool.map(dequantize, reader.tensors), device, dtype)
+        tensors = pool.map(dequantize, reader.tensors)
+        counted = load_progress.counted(tensors, len(reader.tensors), "dequantizing the weights")
+        model = _build(config, counted, device, dtype)
+    load_progress.step("loading the tokenizer")
     tokenizer = load_gguf_tokenizer(path)
     if tokenizer.chat_template is None and meta.get("tokenizer.chat_template"):
         tokenizer.chat_template = meta["tokenizer.chat_template"]
