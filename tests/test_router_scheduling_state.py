@@ -119,10 +119,10 @@ def test_capabilities_come_from_the_plugins_a_pipeline_uses():
 
 
 def test_uncached_tokens_have_one_rounding_rule_that_the_disagg_threshold_reads():
-    """3.8 blocks of 16 cached (the last one on the CPU tier, weighed 0.8) leave 4 of the 64
-    prompt tokens uncached: P/D runs at nonCachedTokens 4, not at 5."""
-    state = SchedulingState(64, 16, 4, {"d1": 3.8}, NO_MATCH)
-    assert state.uncached_tokens("d1") == 4 and state.uncached_tokens("p1") == 64
+    """3.8 blocks of 16 cached (the last one on the CPU tier, weighed 0.8) leave 5 of the 65
+    prompt tokens uncached: P/D runs at nonCachedTokens 5, not at 6."""
+    state = SchedulingState(65, 16, 4, {"d1": 3.8}, NO_MATCH)
+    assert state.uncached_tokens("d1") == 5 and state.uncached_tokens("p1") == 65
     config = """
 plugins:
 - {type: disagg-profile-handler, parameters: {nonCachedTokens: %d}}
@@ -133,11 +133,11 @@ schedulingProfiles:
 - {name: prefill, plugins: [{pluginRef: prefill-filter}]}
 """
     eps = [e for e in role_endpoints() if e.name in ("d1", "p1")]
-    for threshold, prefill in ((4, "p1"), (5, None)):
+    for threshold, prefill in ((5, "p1"), (6, None)):
         ctx = SimpleNamespace(
             precise_index=CountingIndex({"d1": 3.8}), approximate_index=CountingIndex({})
         )
-        req = SchedulingRequest("r", None, list(range(64)), [1, 2, 3, 4], {}, 16)
+        req = SchedulingRequest("r", None, list(range(65)), [1, 2, 3, 4], {}, 16)
         result = Pipeline.from_yaml(config % threshold, ctx).schedule(req, eps)
         assert result.primary.name == "d1"
         assert (result.prefill and result.prefill.name) == prefill, threshold
@@ -165,13 +165,27 @@ def test_peer_source_reads_the_pass_state_and_names_only_other_servers():
 
 
 def test_what_endpoints_hold_is_derived_again_when_a_match_is_replaced():
-    state = SchedulingState(64, 16, 4, {"d1": 3.8, "d2": 1.0}, {"d2": 2, "p1": 1})
+    state = SchedulingState(65, 16, 4, {"d1": 3.8, "d2": 1.0}, {"d2": 2, "p1": 1})
     assert state.blocks_cached("d1") == 3.8 and state.blocks_cached("d2") == 2
-    assert state.best_blocks() == 3.8 and state.uncached_tokens("p1") == 48
-    assert state.blocks_cached("p2") == 0.0 and state.uncached_tokens("p2") == 64
+    assert state.best_blocks() == 3.8 and state.uncached_tokens("p1") == 49
+    assert state.blocks_cached("p2") == 0.0 and state.uncached_tokens("p2") == 65
     state.precise = {"p2": 4.0}  # a later reader filled it anew
-    assert state.best_blocks() == 4.0 and state.uncached_tokens("p2") == 0
+    assert state.best_blocks() == 4.0 and state.uncached_tokens("p2") == 1
     assert state.blocks_cached("d1") == 0.0 and state.blocks_cached("d2") == 2
-    empty = SchedulingState(64, 16, 4, NO_MATCH, NO_MATCH)
+    empty = SchedulingState(65, 16, 4, NO_MATCH, NO_MATCH)
     assert empty.best_blocks() == 0 and empty.best_fraction() == 0.0
-    assert empty.uncached_tokens("d1") == 64
+    assert empty.uncached_tokens("d1") == 65
+
+
+def test_the_block_of_a_whole_block_prompt_s_last_token_is_never_counted_cached():
+    """An engine computes the prompt's last token whatever it holds (vLLM reports
+    prompt - block_size cached tokens for a repeated prompt of whole blocks): every reader
+    sees at most all but the last block of such a prompt as cached."""
+    for held, expect in ((4.0, 3), (3.8, 3), (3.0, 3), (2.5, 2.5)):
+        state = SchedulingState(64, 16, 4, {"d1": held}, {"d2": 4})
+        assert state.blocks_cached("d1") == expect and state.blocks_cached("d2") == 3
+        assert state.uncached_tokens("d1") == 64 - int(expect * 16)
+        assert state.uncached_tokens("d2") == 16 and state.best_blocks() == 3
+    one = SchedulingState(16, 16, 1, {"d1": 1.0}, NO_MATCH)  # a one-block prompt: nothing
+    assert one.blocks_cached("d1") == 0 and one.uncached_tokens("d1") == 16
+    assert SchedulingState(0, 16, 0, {"d1": 1.0}, NO_MATCH).uncached_tokens("d1") == 0

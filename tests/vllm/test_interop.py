@@ -105,12 +105,6 @@ def test_predicted_cached_tokens_match_vllm(fleet: Fleet) -> None:
     assert predicted == cached_tokens(out)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the router counts every full block of a fully cached prompt as cached, but vLLM "
-    "always computes the prompt's last token, so it recomputes that token's whole block "
-    "(cached = prompt - block_size when the prompt is whole blocks)",
-)
 def test_predicted_cached_tokens_of_a_block_aligned_repeat(fleet: Fleet, router_tokenizer) -> None:
     """A prompt of whole blocks, sent twice: vLLM never serves a prompt's last token from the
     cache, so the second time it reports one block less than the prompt holds."""

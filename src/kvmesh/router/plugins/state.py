@@ -89,13 +89,19 @@ class SchedulingState:
                 held = {k: max(v, 0) for k, v in p.items()}
             else:
                 held = {k: max(p.get(k, 0.0), a.get(k, 0)) for k in (p.keys() | a.keys())}
+            # an engine computes the prompt's last token whatever it holds (vLLM's rule, and
+            # ours): a prompt of whole blocks gets at most all but its last block from cache
+            servable = (self.prompt_tokens - 1) // self.block_size if self.prompt_tokens else 0
+            if servable < self.total_blocks:
+                held = {k: min(v, servable) for k, v in held.items()}
             self._held, self._basis = held, (p, a)
             self._best = max(held.values(), default=0.0)
         return self._held
 
     def blocks_cached(self, endpoint: str) -> float:
-        """Leading prompt blocks `endpoint` is known to hold: the longer of the precise match
-        (tier-weighted) and the router's own past decisions."""
+        """Leading prompt blocks `endpoint` is known to hold and would serve from cache: the
+        longer of the precise match (tier-weighted) and the router's own past decisions, less
+        the block of the prompt's last token (always computed)."""
         return self.held().get(endpoint, 0.0)
 
     def uncached_tokens(self, endpoint: str) -> int:
