@@ -113,6 +113,12 @@ def test_cached_results_always_equal_uncached(tok, cached, history, salt):
             assert pt.encode_completion(text) == tok.encode(text, add_special_tokens=True)
             want = ref_keys(ids, block_size=pt.block_size, cache_salt=salt)
             assert pt.block_keys(ids, cache_salt=salt) == want
+            # ids and keys together, through the text cache's own block keys when unsalted
+            for special in (False, True):
+                full = tok.encode(text, add_special_tokens=special)
+                got_ids, got_keys = pt.ids_and_keys(text, special, salt)
+                assert list(got_ids) == full, repr(text)
+                assert got_keys == ref_keys(full, block_size=pt.block_size, cache_salt=salt)
 
 
 def test_growing_context_encodes_and_hashes_only_the_tail(tok):
@@ -158,6 +164,23 @@ def test_growing_context_encodes_and_hashes_only_the_tail(tok):
     assert again == second and pt.stats.exact_hits == 1
     assert pt.stats.chars_encoded - before[0] == chars
     assert pt.cache_info()["runs"] == 1  # the first turn's run was superseded and dropped
+
+
+def test_a_prompt_extending_a_known_one_hashes_only_its_new_blocks(tok):
+    pt = PromptTokenizer(tok)
+    base = " ".join(f"line {i}: the agent reads file_{i}.py and edits it." for i in range(200))
+    ids, keys = pt.ids_and_keys(base, True)
+    assert keys == ref_keys(tok.encode(base, add_special_tokens=True))
+    for i, tail in enumerate([" Then it runs the tests.", " #1", " #2 and more words " * 20]):
+        hashed = pt.stats.blocks_hashed
+        ids2, keys2 = pt.ids_and_keys(base + tail, True)
+        full = tok.encode(base + tail, add_special_tokens=True)
+        assert list(ids2) == full and keys2 == ref_keys(full)
+        # the shared blocks are the cached run's: only blocks holding the new text are hashed
+        old = [*ids, -1]
+        same = next(j for j, (a, b) in enumerate(zip(full, old, strict=False)) if a != b)
+        assert pt.stats.blocks_hashed - hashed == len(full) // 16 - same // 16, i
+    assert pt.stats.full_encodes == 1 and pt.stats.prefix_hits == 3
 
 
 def test_branching_and_unrelated_texts(tok):
@@ -227,6 +250,9 @@ def test_non_local_or_unusual_tokenizers_stay_exact(tok, kw):
         text += f"turn{i} hello world\n"
         assert pt.encode_completion(text, add_special_tokens=False) == fake.encode(text, False)
         assert pt.encode_completion(text) == fake.encode(text, True)
+        for special in (True, False):
+            ids, keys = pt.ids_and_keys(text, special)
+            assert list(ids) == fake.encode(text, special) and keys == ref_keys(list(ids))
     if kw.get("prepend_space"):
         assert pt.stats.seam_failures >= 8 and not pt._cacheable  # gave up caching
     if kw.get("bos") is not None:
@@ -293,15 +319,16 @@ def test_a_prompt_seen_whole_is_answered_from_the_whole_prompt_cache(tok):
     pt = PromptTokenizer(tok, whole_entries=2)
     text = "a prompt long enough to fill several blocks of sixteen tokens each, " * 4
     ids, keys = pt.ids_and_keys(text, False)
+    ids = list(ids)
     assert ids == tok.encode(text, add_special_tokens=False) and keys == ref_keys(ids)
     encodes, hashed = pt.stats.encodes, pt.stats.blocks_hashed
     again = pt.ids_and_keys(text, False)
-    assert again == (ids, keys) and pt.stats.whole_hits == 1
+    assert list(again[0]) == ids and again[1] == keys and pt.stats.whole_hits == 1
     assert (pt.stats.encodes, pt.stats.blocks_hashed) == (encodes, hashed)  # nothing computed
     # the salt and the special tokens are part of the key
     salted = pt.ids_and_keys(text, False, "s1")
     assert salted[1] == ref_keys(ids, cache_salt="s1") and pt.stats.whole_hits == 1
-    assert pt.ids_and_keys(text, True)[0] == tok.encode(text, add_special_tokens=True)
+    assert list(pt.ids_and_keys(text, True)[0]) == tok.encode(text, add_special_tokens=True)
     assert pt.cache_info()["whole_prompts"] == 2  # at most whole_entries, oldest dropped
     pt.ids_and_keys(text, False)
     assert pt.stats.whole_hits == 1  # (text, False, None) was the oldest: dropped

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvmesh.protocol.hashing import DEFAULT_BLOCK_SIZE
+from kvmesh.protocol.hashing import DEFAULT_BLOCK_SIZE, block_hash_to_int
 from kvmesh.protocol.tokenizer import fast_backend, offsets_work, special_affixes
 from kvmesh.router.block_keys import BlockKeyCache, BlockKeyStats
 from kvmesh.router.fastbpe import FastBPE
@@ -59,18 +59,33 @@ class _Run:
     Invariants: ``cut_chars``/``cut_tokens`` ascend from (0, 0), and ``ids[:cut_tokens[i]]`` is
     both the encoding of ``text[:cut_chars[i]]`` and a prefix of the whole text's encoding.
     ``tail`` is the text after its last fine checkpoint; ``digests`` lists every checkpoint it
-    registered (some may since lead to newer runs).
+    registered (some may since lead to newer runs). ``keys``/``chain``: the block keys and
+    digests of the full blocks of ``pre + ids`` (no salt), once a prompt asked for them.
     """
 
-    __slots__ = ("length", "tail", "ids", "cut_chars", "cut_tokens", "digests")
+    __slots__ = (
+        "length",
+        "tail",
+        "ids",
+        "cut_chars",
+        "cut_tokens",
+        "digests",
+        "pre",
+        "keys",
+        "chain",
+    )
 
-    def __init__(self, text: str, chunk: int, ids: list[int], cuts: tuple[list, list]) -> None:
+    def __init__(self, text: str, chunk: int, ids: Sequence[int], cuts: tuple[Any, Any]) -> None:
         self.length = len(text)
         self.tail = text[len(text) - len(text) % chunk :]
-        self.ids = array("I", ids)
-        self.cut_chars = array("Q", cuts[0])
-        self.cut_tokens = array("Q", cuts[1])
+        self.ids = ids if isinstance(ids, array) else array("I", ids)
+        chars, tokens = cuts
+        self.cut_chars = chars if isinstance(chars, array) else array("Q", chars)
+        self.cut_tokens = tokens if isinstance(tokens, array) else array("Q", tokens)
         self.digests: list[bytes] = []
+        self.pre: list[int] | None = None  # the special ids the keys were made with
+        self.keys: list[int] = []
+        self.chain: list[bytes] = []
 
 
 class PromptTokenizer:
@@ -145,8 +160,8 @@ class PromptTokenizer:
         self, text: str, add_special_tokens: bool, cache_salt: str | None = None
     ) -> tuple[list[int], list[int]]:
         """``encode_completion(text, add_special_tokens)`` and its ``block_keys`` (with
-        ``cache_salt``), the pair kept for a prompt seen whole before. The lists may be shared
-        with earlier callers: read them, never change them."""
+        ``cache_salt``), the pair kept for a prompt seen whole before. Both may be shared with
+        earlier callers: read them, never change them."""
         key = (text, add_special_tokens, cache_salt)
         whole = self._whole
         pair = whole.get(key)
@@ -154,14 +169,55 @@ class PromptTokenizer:
             whole.move_to_end(key)
             self.stats.whole_hits += 1
             return pair
-        ids = self.encode_completion(text, add_special_tokens)
-        pair = ids, self.block_keys(ids, cache_salt) if ids else []
+        if cache_salt is None and (self._specials is not None or not add_special_tokens):
+            pair = self._run_ids_and_keys(text, add_special_tokens)
+        else:
+            ids = self.encode_completion(text, add_special_tokens)
+            pair = ids, self.block_keys(ids, cache_salt) if ids else []
+        ids = pair[0]
         if len(ids) <= self.whole_tokens:
             whole[key] = pair
             self._whole_held += len(ids)
             while len(whole) > self.whole_entries or self._whole_held > self.whole_tokens:
                 self._whole_held -= len(whole.popitem(last=False)[1][0])
         return pair
+
+    def _run_ids_and_keys(self, text: str, add_special_tokens: bool) -> tuple[list[int], list]:
+        """Ids and unsalted block keys of a prompt through the text cache: the keys of the
+        blocks whose ids equal a cached run's are that run's, so a prompt that extends a known
+        one hashes only its new blocks (and no span checkpoints)."""
+        ids, run, parent, same = self._encode_run(text)
+        pre, post = self._specials if add_special_tokens and self._specials else ([], [])
+        bs, lead = self.block_size, len(pre)
+        n_blocks = (lead + len(ids) + len(post)) // bs
+        reuse = 0
+        if parent is not None and parent.pre == pre:
+            reuse = min(len(parent.keys), (lead + same) // bs, n_blocks)
+        keys = parent.keys[:reuse] if reuse else []
+        chain = parent.chain[:reuse] if reuse else []
+        if reuse < n_blocks:
+            a = reuse * bs  # ids of pre + ids + post from block `reuse` to the last full one
+            seq = (
+                pre[a:]
+                + (
+                    ids[max(0, a - lead) :].tolist()
+                    if isinstance(ids, array)
+                    else ids[max(0, a - lead) :]
+                )
+                + post
+            )
+            seq = seq[: (n_blocks - reuse) * bs]
+            fresh = self._keys.hasher.hash_blocks(seq, 0, chain[-1] if chain else None)
+            self.stats.blocks_hashed += len(fresh)
+            chain += fresh
+            keys += [block_hash_to_int(d) for d in fresh]
+        self.stats.blocks_reused += reuse
+        if run is not None and (run.pre != pre or len(run.keys) < len(keys)):
+            kept = (lead + len(ids)) // bs  # blocks without suffix ids
+            run.pre, run.keys, run.chain = pre, keys[:kept], chain[:kept]
+        if isinstance(ids, array):  # the run's array stays the run's: callers get a list
+            ids = ids.tolist()
+        return (pre + ids + post if (pre or post) else ids), keys
 
     def block_keys(
         self, token_ids: Sequence[int], cache_salt: str | None = None, lora_name: str | None = None
@@ -180,6 +236,8 @@ class PromptTokenizer:
             self.block_size = block_size
             self._whole.clear()
             self._whole_held = 0
+            for run in self._runs:  # their keys were made of blocks of the old size
+                run.pre, run.keys, run.chain = None, [], []
 
     def cache_info(self) -> dict[str, int]:
         return {
@@ -191,26 +249,36 @@ class PromptTokenizer:
 
     # ---- text cache -----------------------------------------------------------------------
     def _encode_raw(self, text: str) -> list[int]:
+        ids = self._encode_run(text)[0]
+        return ids.tolist() if isinstance(ids, array) else ids
+
+    def _encode_run(self, text: str) -> tuple[Sequence[int], _Run | None, _Run | None, int]:
+        """Ids of ``text``; the run now holding it (None: not cached); and a run (``parent``)
+        whose ids equal these for the first ``same`` (so do their block keys)."""
         st = self.stats
         st.encodes += 1
         if not self._cacheable or len(text) < self.chunk:
             st.full_encodes += 1
             st.chars_encoded += len(text)
-            return self._plain(text, False)
+            return self._plain(text, False), None, None, 0
         ckpt, fine_size = self._ckpt, self.chunk
         coarse, states, final = self._coarse_digests(text)
         run = ckpt.get(final)
         if run is not None and run.length == len(text):  # equal digests: equal texts
             st.exact_hits += 1
             self._runs.move_to_end(run)
-            return run.ids.tolist()
+            return run.ids, run, run, len(run.ids)
         k = len(coarse)
         while k and coarse[k - 1] not in ckpt:
             k -= 1
         start = k * fine_size * _COARSE
         fine, h = [], states[k]  # fine[i]: digest of text[:start + (i+1)*chunk]
+        data = _utf8(text[start:]) if text.isascii() else None  # one byte per character
         for a in range(start, len(text) - fine_size + 1, fine_size):
-            h.update(_utf8(text[a : a + fine_size]))
+            if data is not None:
+                h.update(data[a - start : a - start + fine_size])
+            else:
+                h.update(_utf8(text[a : a + fine_size]))
             fine.append(h.digest())
         run, agree = (ckpt[coarse[k - 1]], start) if k else (None, 0)
         for i in range(len(fine) - 1, -1, -1):
@@ -222,14 +290,17 @@ class PromptTokenizer:
             st.full_encodes += 1
             ids, cuts = self._encode_with_cuts(text, 0, 0)
             cuts = ([0, *cuts[0]], [0, *cuts[1]])
+            parent, same = None, 0
         else:
             st.prefix_hits += 1
-            ids, cuts = hit
+            ids, cuts, same = hit
+            parent = run
         aligned = run.length - len(run.tail) if run is not None else -1
         if run is not None and agree >= aligned and text.startswith(run.tail, aligned):
             self._drop(run)  # text extends the run's whole text: the run is redundant
-        self._remember(_Run(text, fine_size, ids, cuts), coarse, fine, final)
-        return ids
+        new = _Run(text, fine_size, ids, cuts)
+        self._remember(new, coarse, fine, final)
+        return new.ids, new, parent, same
 
     def _coarse_digests(self, text: str) -> tuple[list[bytes], list[Any], bytes]:
         """Digests of text[:k*coarse] for k = 1.., the hasher state at each k (k = 0 too), and
@@ -247,9 +318,10 @@ class PromptTokenizer:
 
     def _extend(
         self, text: str, run: _Run, agree: int
-    ) -> tuple[list[int], tuple[list[int], list[int]]] | None:
-        """Ids and cuts of ``text`` reusing ``run``, whose text starts with ``text[:agree]``;
-        None when no safe cut exists or the seam check fails."""
+    ) -> tuple[array, tuple[array, array], int] | None:
+        """Ids and cuts of ``text`` reusing ``run``, whose text starts with ``text[:agree]``,
+        and how many of its first ids are the run's; None when no safe cut exists or the seam
+        check fails."""
         limit = agree - self._margin
         cc, ct = run.cut_chars, run.cut_tokens
         j = bisect_right(cc, limit) - 1  # c1 = cc[j] <= limit ends the seam window
@@ -265,9 +337,17 @@ class PromptTokenizer:
             if st.seam_failures >= 8 and st.seam_failures > 4 * st.prefix_hits:
                 self._cacheable = False  # this tokenizer is not local (e.g. prepends a space)
             return None
-        ids = run.ids[:n0].tolist()
-        ids += tail
-        return ids, (cc[:j].tolist() + tail_chars, ct[:j].tolist() + tail_tokens)
+        ids = run.ids[:n0]
+        ids.extend(tail)
+        same, old = n1, run.ids[n1 : n0 + len(tail)].tolist()
+        for a, b in zip(old, tail[n1 - n0 :], strict=False):
+            if a != b:
+                break
+            same += 1
+        chars, tokens = cc[:j], ct[:j]  # copies: the run keeps its own
+        chars.extend(tail_chars)
+        tokens.extend(tail_tokens)
+        return ids, (chars, tokens), same
 
     def _encode_with_cuts(
         self, text: str, base_char: int, base_tok: int
