@@ -17,6 +17,21 @@ async def wait_for_shutdown() -> None:
 ROUTER_HELP = {
     "endpoints_file": "YAML/JSON list of endpoints (URLs or {url, name, labels, models, "
     "kv_events}); reloaded when it changes.",
+    "k8s_inference_pool": "Discover the endpoints from the Kubernetes API: the ready pods "
+    "(Ready condition true, not terminating) of this InferencePool "
+    "(inference.networking.k8s.io/v1: its spec.selector.matchLabels and spec.targetPorts), "
+    "watched, so pods that come, go or turn unready join or leave the pool. Each pod gives "
+    "http://POD_IP:PORT per target port, named after the pod (<pod>-rank-<i> with several "
+    "ports, as llm-d; annotation llm-d.ai/active-ports narrows them), with the pod's labels "
+    "(llm-d.ai/role: prefill, decode or both) and annotation kvmesh.ai/data-parallel-size "
+    "as an endpoints file's. Needs get on inferencepools, list and watch on pods.",
+    "k8s_selector": "Discover the endpoints from the ready pods matching this label selector "
+    "('key=value,key2=value2'; equality only) on --k8s-target-port, as --k8s-inference-pool.",
+    "k8s_target_port": "The engines' port on the pods --k8s-selector finds.",
+    "k8s_namespace": "Namespace of the pool or pods (default: the service account's in a pod, "
+    "else the kubeconfig context's, else 'default').",
+    "kubeconfig": "Kubeconfig file for Kubernetes discovery (default: the pod's service account "
+    "token and CA when KUBERNETES_SERVICE_HOST is set, else $KUBECONFIG or ~/.kube/config).",
     "scheduler_config": "EndpointPickerConfig YAML (plugins + schedulingProfiles), as llm-d's.",
     "preset": "Scheduler preset when no --scheduler-config: round-robin, random, load, "
     "approx-prefix, precise-prefix, kvmesh.",
@@ -71,6 +86,12 @@ ROUTER_HELP = {
     "least this many more leading prompt tokens than the chosen one (precise index, any tier), "
     "name it in x-kv-cache-source-host-port so the chosen engine pulls those blocks instead of "
     "computing them (engines need it in --kv-peer-allowlist); not on the P/D path. 0: off.",
+    "ext_proc_port": "Also serve Envoy's ext_proc gRPC service on this port, as the Gateway API "
+    "Inference Extension's endpoint picker: each request Envoy streams here (request body "
+    "BUFFERED) is scheduled as on --port and answered with x-gateway-destination-endpoint: "
+    "IP:PORT (header and envoy.lb metadata); see docs/envoy-ext-proc.yaml. 0: any free port.",
+    "ext_proc_fail_open": "ext_proc: when no endpoint can be picked, let Envoy route by its own "
+    "configuration instead of answering 503.",
     "api_key": "Key clients must send as `Authorization: Bearer <key>` on /v1/* (default: env "
     "VLLM_API_KEY; unset: none). /health and /metrics stay open.",
     "endpoint_api_key": "Key sent to the engines (their --api-key) in place of the client's "
@@ -102,9 +123,11 @@ async def start_router_from(config, host: str, port: int, tokenizer=None):
 
 def cmd_router(args: argparse.Namespace) -> int:
 
-    if not args.endpoint and not args.endpoints_file:
+    if not (args.endpoint or args.endpoints_file or args.k8s_inference_pool or args.k8s_selector):
         print(
-            "kvmesh router: give --endpoint URL (repeatable) or --endpoints-file", file=sys.stderr
+            "kvmesh router: give --endpoint URL (repeatable), --endpoints-file, "
+            "--k8s-inference-pool or --k8s-selector",
+            file=sys.stderr,
         )
         return 2
     try:
@@ -112,31 +135,48 @@ def cmd_router(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvmesh router: {exc}", file=sys.stderr)
         return 2
+    if config.ext_proc_port is not None:
+        try:
+            import kvmesh.router.ext_proc  # noqa: F401  # grpcio and xds-protos
+        except ImportError as exc:
+            need = "--ext-proc-port needs grpcio and xds-protos"
+            print(f"kvmesh router: {need} ({exc})", file=sys.stderr)
+            return 2
 
     from kvmesh.router.block_size import BlockSizeMismatch
     from kvmesh.router.engine_model import EngineModelMismatch
+    from kvmesh.router.k8s_discovery import K8sDiscoveryError
 
     refused: list[str] = []
 
     async def main() -> None:
         try:
             router, runner = await start_router_from(config, args.host, args.port)
-        except (BlockSizeMismatch, EngineModelMismatch) as exc:
+        except (BlockSizeMismatch, EngineModelMismatch, K8sDiscoveryError) as exc:
             refused.append(str(exc))
             return
-        # what the router serves now: the endpoints file read, servers split into their
-        # data-parallel ranks; the port bound (--port 0: the one the system chose)
+        # what the router serves now: the endpoints file read or the pods listed, servers split
+        # into their data-parallel ranks; the port bound (--port 0: the one the system chose)
         port = runner.server.sockets[0].getsockname()[1] if runner.server.sockets else args.port
         endpoints = router.pool.endpoints.values()
         healthy = sum(1 for e in endpoints if e.healthy)
+        ext_proc, also = None, ""
+        if config.ext_proc_port is not None:  # Envoy's endpoint picker, beside the HTTP proxy
+            from kvmesh.router.ext_proc import serve_ext_proc
+
+            ext_port, fail_open = config.ext_proc_port, config.ext_proc_fail_open
+            ext_proc, bound = await serve_ext_proc(router, args.host, ext_port, fail_open)
+            also = f", ext_proc grpc://{args.host}:{bound}"
         print(
             f"kvmesh router ready: http://{args.host}:{port}/v1 ({len(endpoints)} endpoints, "
-            f"{healthy} healthy, preset {config.preset})",
+            f"{healthy} healthy, preset {config.preset}){also}",
             flush=True,
         )
         try:
             await wait_for_shutdown()
         finally:
+            if ext_proc is not None:
+                await ext_proc.stop(1.0)
             await runner.cleanup()
 
     from kvmesh.engine.server import run

@@ -19,6 +19,7 @@ from kvmesh.router.engine_model import EngineModelCheck
 from kvmesh.router.events import EventIngest
 from kvmesh.router.frontdoor import FrontDoor, Request
 from kvmesh.router.index import ApproximateIndex, PreciseIndex
+from kvmesh.router.k8s_discovery import K8sDiscovery, parse_selector
 from kvmesh.router.listener import RouterServer, serve
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.outlier import OutlierDetection
@@ -35,6 +36,14 @@ decisions = logging.getLogger("kvmesh.router.decisions")
 class RouterConfig:
     endpoints: list[str] = field(default_factory=list)
     endpoints_file: str | None = None
+    # Kubernetes discovery (router.k8s_discovery): the ready pods of an InferencePool, or of a
+    # label selector on k8s_target_port, in k8s_namespace (default: the service account's or
+    # the kubeconfig context's); kubeconfig None: in-cluster config when in a pod
+    k8s_inference_pool: str | None = None
+    k8s_selector: str | None = None
+    k8s_target_port: int = 8000
+    k8s_namespace: str | None = None
+    kubeconfig: str | None = None
     scheduler_config: str | None = None  # EndpointPickerConfig YAML file
     preset: str = "kvmesh"
     tokenizer: str | None = None  # None: the embedded default model's tokenizer
@@ -70,6 +79,11 @@ class RouterConfig:
     kv_index_warmup_timeout: float = 1.0
     # render templates that requests bring (chat_template, chat_template_kwargs.chat_template)
     trust_request_chat_template: bool = False
+    # Envoy's ext_proc (router.ext_proc): the gRPC port Envoy asks for each request's endpoint
+    # (None: not served); with no endpoint to name, let Envoy route by its own configuration
+    # (fail open) instead of answering 503 (fail closed)
+    ext_proc_port: int | None = None
+    ext_proc_fail_open: bool = False
     # Bearer keys, never in repr or logs: the one clients must send on /v1/* (unset: none);
     # the one sent to endpoints in place of the client's Authorization (unset: api_key; with
     # neither, the client's header passes through)
@@ -99,6 +113,16 @@ class RouterConfig:
             raise ValueError("--kv-index-warmup-timeout must be 0 (off) or positive")
         if self.kv_peer_min_cached_token_delta < 0:
             raise ValueError("--kv-peer-min-cached-token-delta must be 0 (off) or positive")
+        if self.k8s_inference_pool and self.k8s_selector:
+            raise ValueError("give one of --k8s-inference-pool and --k8s-selector")
+        if self.k8s_selector:
+            parse_selector(self.k8s_selector)
+        if self.endpoints_file and (self.k8s_inference_pool or self.k8s_selector):
+            raise ValueError("--endpoints-file and Kubernetes discovery cannot both own the pool")
+        if not 0 < self.k8s_target_port < 65536:
+            raise ValueError(f"--k8s-target-port must be a port, got {self.k8s_target_port}")
+        if self.ext_proc_port is not None and not 0 <= self.ext_proc_port < 65536:
+            raise ValueError(f"--ext-proc-port must be a port number, got {self.ext_proc_port}")
 
     def upstream_authorization(self, client: str | None) -> str | None:
         """The Authorization sent to endpoints: the endpoint key (default: api_key), else the
@@ -135,6 +159,19 @@ class Router:
             on_removed=self._removed,
             discover_data_parallel=config.discover_data_parallel,
             outlier=config.outlier_detection(),
+        )
+        self.discovery = (
+            K8sDiscovery(
+                self.pool,
+                inference_pool=config.k8s_inference_pool,
+                selector=config.k8s_selector,
+                target_port=config.k8s_target_port,
+                namespace=config.k8s_namespace,
+                kubeconfig=config.kubeconfig,
+                kv_events=config.kv_events,
+            )
+            if config.k8s_inference_pool or config.k8s_selector
+            else None
         )
         self.peer_sources = (
             PeerSourceConfig(config.kv_peer_min_cached_token_delta, size)
@@ -202,10 +239,14 @@ class Router:
         self.pool.on_added = added
         self.pool.on_lost = self._lost
         try:
+            if self.discovery is not None:  # its pods join the first scrape, as a file's would
+                await self.discovery.start()
             await self.pool.scrape_once(self.session)
             self.block_size.start(self.pool.endpoints.values())
             await self.model_check.start(self.session)
         except BaseException:
+            if self.discovery is not None:
+                await self.discovery.stop()
             await self.events.stop()
             await self.session.close()
             raise
@@ -228,6 +269,8 @@ class Router:
         self.warm_until = 0.0  # once warm (or out of time), requests never wait again
 
     async def stop(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.stop()
         await self.pool.stop()
         await self.model_check.stop()
         if self.events is not None:

@@ -175,6 +175,16 @@ class EndpointPool:
         self._tasks: list[asyncio.Task] = []
         self._session: aiohttp.ClientSession | None = None
 
+    def add(self, e: Endpoint) -> None:
+        """e joins the pool (its KV events, indexes and connections follow via on_added)."""
+        self.endpoints[e.name] = e
+        self.on_added(e)
+
+    def remove(self, name: str) -> None:
+        """The endpoint of that name leaves the pool (and what on_added set up, via on_removed)."""
+        del self.endpoints[name]
+        self.on_removed(name)
+
     def candidates(self) -> list[Endpoint]:
         now = time.monotonic()
         return [
@@ -253,12 +263,10 @@ class EndpointPool:
         self._file_mtime = mtime
         for name in list(self.endpoints):
             if name not in fresh:
-                del self.endpoints[name]
-                self.on_removed(name)
+                self.remove(name)
         for name, e in fresh.items():
             if name not in self.endpoints:
-                self.endpoints[name] = e
-                self.on_added(e)
+                self.add(e)
         logger.info("endpoints: %s", ", ".join(self.endpoints))
 
     async def _watch_file(self) -> None:
@@ -321,11 +329,9 @@ class EndpointPool:
         for base in servers:
             if self.endpoints.get(base.name) is not base:
                 continue
-            del self.endpoints[base.name]
-            self.on_removed(base.name)
+            self.remove(base.name)
             for e in rank_endpoints(base, ranks):
-                self.endpoints[e.name] = e
-                self.on_added(e)
+                self.add(e)
                 out.append(e)
             logger.info("endpoint %s serves data-parallel ranks %s", base.name, ranks)
         return out
