@@ -91,3 +91,25 @@ def test_rounds_combine_as_the_median_of_each_figure() -> None:
     out = median_rows(rows)
     assert out["latency"]["small"] == {"added_p50_ms": 0.25, "n": 30}
     assert out["throughput"] == {"req_s": 1.5, "note": "kept from the first"}
+
+
+def test_envoy_with_the_kvmesh_picker_is_a_router_row_not_a_peer(tmp_path) -> None:
+    """`envoy:PRESET` runs Envoy in front of the engines with kvmesh as its ext_proc picker; it
+    is reported beside kvmesh's own proxy and never counted as the best peer."""
+    from kvmesh.bench.envoy_epp import envoy_config
+    from kvmesh.bench.router_bench import _targets
+    from kvmesh.bench.router_procs import Target, router_command
+    from kvmesh.bench.router_report import _peers
+
+    (t,) = _targets("envoy:kvmesh")
+    assert t == Target("envoy", "kvmesh") and t.label == "envoy + kvmesh EPP kvmesh"
+    cmd = router_command(t, ["http://a:1", "http://b:2"], 8080, {"envoy": "/x/envoy"})
+    assert cmd[1:3] == ["-m", "kvmesh.bench.envoy_epp"] and "--endpoint=http://b:2" in cmd
+    fleet = {"routers": [{"kind": "envoy"}, {"kind": "kvmesh"}, {"kind": "vllm"}]}
+    assert _peers(fleet) == [{"kind": "vllm"}]
+    config = envoy_config(8080, 9002)
+    listener = config["static_resources"]["listeners"][0]["address"]["socket_address"]
+    assert listener["port_value"] == 8080
+    epp = [c for c in config["static_resources"]["clusters"] if c["name"] == "kvmesh_epp"][0]
+    address = epp["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+    assert address["socket_address"]["port_value"] == 9002

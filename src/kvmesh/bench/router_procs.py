@@ -48,7 +48,8 @@ def group_members(pgids: set[int]) -> dict[int, float]:
 
 @dataclass(frozen=True)
 class Target:
-    """A router under test: kind (kvmesh, sglang, vllm) and its policy / preset."""
+    """A router under test: kind (kvmesh, sglang, vllm; envoy: Envoy with kvmesh as its
+    endpoint picker) and its policy / preset."""
 
     kind: str
     policy: str
@@ -59,6 +60,8 @@ class Target:
     def label(self) -> str:
         if self.name:
             return f"kvmesh {self.name}"
+        if self.kind == "envoy":
+            return f"envoy + kvmesh EPP {self.policy}"
         return (
             f"{self.kind}-router {self.policy}"
             if self.kind != "kvmesh"
@@ -73,6 +76,7 @@ ALL_TARGETS = (
     Target("sglang", "cache_aware"),
     Target("vllm", "round_robin"),
     Target("vllm", "cache_aware"),
+    Target("envoy", "kvmesh"),
 )
 
 
@@ -147,6 +151,10 @@ def start_engines(n: int, prefix: list[str], out: Path) -> tuple[Proc, list[str]
 
 
 def peer_bin(kind: str, given: str | None) -> str | None:
+    if kind == "envoy":
+        from kvmesh.bench.envoy_epp import envoy_binary
+
+        return envoy_binary(given)
     name = {"sglang": "sglang-router", "vllm": "vllm-router"}[kind]
     path = given or shutil.which(name)
     return path if path and os.access(path, os.X_OK) else None
@@ -159,6 +167,10 @@ def router_command(t: Target, urls: list[str], port: int, bins: dict[str, str | 
             cmd += ["--endpoint", u]
         cmd += ["--host", "127.0.0.1", "--port", str(port), "--preset", t.policy]
         return cmd + list(t.flags)
+    if t.kind == "envoy":  # Envoy on `port`, kvmesh's ext_proc picker behind it
+        cmd = [sys.executable, "-m", "kvmesh.bench.envoy_epp", "--port", str(port)]
+        cmd += ["--preset", t.policy, "--envoy-bin", str(bins["envoy"])]
+        return cmd + [f"--endpoint={u}" for u in urls]
     binary = bins[t.kind]
     assert binary is not None
     level = "warn" if t.kind == "sglang" else "warning"

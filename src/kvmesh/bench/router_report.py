@@ -21,7 +21,7 @@ def _cell(d: dict | None, a: str, b: str, fmt: str = "{:+.3f}") -> str:
 
 
 def _peers(fleet: dict) -> list[dict]:
-    return [r for r in fleet["routers"] if r["kind"] != "kvmesh"]
+    return [r for r in fleet["routers"] if r["kind"] not in ("kvmesh", "envoy")]
 
 
 def _kvmesh(fleet: dict, policy: str = "kvmesh") -> dict | None:
