@@ -87,9 +87,10 @@ def test_the_simulator_keeps_its_books_through_forward_load(monkeypatch, tokeniz
 
 @pytest.mark.parametrize("flag", [True, False])
 def test_prefill_counts_follow_the_state_rounding(flag):
-    """The charge is the state's uncached-token count: weighted precise blocks included."""
+    """The charge is the state's uncached-token count: weighted precise blocks included (a
+    65-token prompt, so all four of its full blocks may come from cache)."""
     e = Endpoint("http://a:1")
-    req = scheduled({})
-    req.state.precise = {e.name: 3.8} if flag else {}
+    req = SchedulingRequest("r", None, list(range(65)), [11, 12, 13, 14], {}, 16)
+    req.state = SchedulingState(65, 16, 4, {e.name: 3.8} if flag else {}, NO_MATCH)
     forward_load.sent(e, req, ApproximateIndex())
-    assert e.pending_prefill_tokens == (4 if flag else 64)
+    assert e.pending_prefill_tokens == (5 if flag else 65)

@@ -91,8 +91,8 @@ class SchedulingState:
                 held = {k: max(p.get(k, 0.0), a.get(k, 0)) for k in (p.keys() | a.keys())}
             # an engine computes the prompt's last token whatever it holds (vLLM's rule, and
             # ours): a prompt of whole blocks gets at most all but its last block from cache
-            servable = (self.prompt_tokens - 1) // self.block_size if self.prompt_tokens else 0
-            if servable < self.total_blocks:
+            servable = (self.prompt_tokens - 1) // self.block_size  # (no ids given: no cap)
+            if 0 <= servable < self.total_blocks:
                 held = {k: min(v, servable) for k, v in held.items()}
             self._held, self._basis = held, (p, a)
             self._best = max(held.values(), default=0.0)
