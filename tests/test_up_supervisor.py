@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -23,12 +24,21 @@ from kvmesh.commands import up
 from kvmesh.commands.serve import _engine_config
 
 SLEEP = "import time; time.sleep(60)"
-# ignores SIGTERM, then sends one to `kvmesh up` (its parent) as a user would, once both
-# children have started (the router starts at once: its health is taken for granted here)
+# ignores SIGTERM, then sends one to `kvmesh up` (its parent) as a user would, once `up` has
+# asked the engine its model name (just before it prints `kvmesh ready`: READY_MARK is written
+# then), however slowly a busy host starts the children
+READY_MARK = os.path.join(tempfile.mkdtemp(prefix="kvmesh-up-test-"), "ready")
 IGNORES_SIGTERM = (
-    "import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(0.3); "
-    "os.kill(os.getppid(), signal.SIGTERM); " + SLEEP
+    "import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    f"while not os.path.exists({READY_MARK!r}): time.sleep(0.02)\n"
+    f"os.remove({READY_MARK!r}); os.kill(os.getppid(), signal.SIGTERM); " + SLEEP
 )
+
+
+def _model_name_then_mark(url: str, key: str | None) -> str:
+    with open(READY_MARK, "w"):
+        pass
+    return "m"
 
 
 class Recorded(up.Stack):
@@ -45,7 +55,9 @@ def run_with(
     monkeypatch.setattr(up, "engine_command", lambda *a: [sys.executable, "-c", engine])
     monkeypatch.setattr(up, "router_command", lambda *a: [sys.executable, "-c", router])
     monkeypatch.setattr(up, "_healthy", lambda url: healthy)
-    monkeypatch.setattr(up, "_model_name", lambda url, key: "m")
+    with contextlib.suppress(FileNotFoundError):  # a mark no engine consumed
+        os.remove(READY_MARK)
+    monkeypatch.setattr(up, "_model_name", _model_name_then_mark)
     monkeypatch.setattr(up, "GRACE_S", 0.5)
     monkeypatch.setattr(up, "Stack", Recorded)
     args = build_parser().parse_args(["up", "--port", port])
