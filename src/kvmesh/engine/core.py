@@ -319,20 +319,21 @@ class EngineCore:
             self.kv.pool.free_blocks(reversed(held.blocks))
 
     def _output(self, request: Request, tokens, logprobs, text: str) -> RequestOutput:
-        if request.is_finished:
+        finished = request.is_finished
+        if finished:
             self.detoks.pop(request.request_id, None)
         return RequestOutput(
             request_id=request.request_id,
             text=text,
             token_ids=tokens,
             logprobs=logprobs,
-            finished=request.is_finished,
+            finished=finished,
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
-            num_prompt_tokens=request.num_prompt_tokens,
+            num_prompt_tokens=len(request.prompt_token_ids),
             num_cached_tokens=max(request.num_cached_tokens, 0),
-            num_output_tokens=request.num_output_tokens,
-            kv_transfer_params=request.kv_transfer_params if request.is_finished else None,
+            num_output_tokens=len(request.output_token_ids),
+            kv_transfer_params=request.kv_transfer_params if finished else None,
         )
 
     def _record_load(self) -> None:

@@ -180,14 +180,18 @@ class KVCacheManager:
         total = num_computed + num_new_tokens
         num_needed = -(-total // self.block_size) - len(held) - len(computed_blocks)
         # computed blocks with ref 0 sit in the free queue: taking them shrinks what is free
-        num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if num_needed > self.pool.num_free_blocks - num_evictable_hits:
-            return None
         if computed_blocks:
+            num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+            if num_needed > self.pool.num_free_blocks - num_evictable_hits:
+                return None
             self.pool.touch(computed_blocks)
             held.extend(computed_blocks)
             self.num_cached_blocks[request.request_id] = len(held)
-        new_blocks = self.pool.get_new_blocks(max(num_needed, 0))
+        elif num_needed > self.pool.num_free_blocks:
+            return None
+        if num_needed <= 0:  # most decode steps: the last block has room
+            return []
+        new_blocks = self.pool.get_new_blocks(num_needed)
         held.extend(new_blocks)
         return new_blocks
 
@@ -198,10 +202,12 @@ class KVCacheManager:
         valid KV, whatever preemption or abort happens between scheduling and execution."""
         if not self.enable_caching:
             return
-        self.update_block_hashes(request)
-        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
         rid = request.request_id
         num_cached = self.num_cached_blocks.get(rid, 0)
+        if num_tokens // self.block_size <= num_cached:  # no block newly full: most decode steps
+            return
+        self.update_block_hashes(request)
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
         if num_full <= num_cached:
             return
         extra = None

@@ -27,6 +27,7 @@ class TorchRunner(ModelRunner):
         self.config = config
         self.model = loaded.model
         self.model_config = loaded.config
+        self.model_path = getattr(loaded, "path", None)  # an HF directory holds its MTP layers
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype()
         per_block = kv_cache_bytes_per_block(self.model_config, config.block_size, self.dtype)
@@ -132,7 +133,7 @@ class TorchRunner(ModelRunner):
         """MTP drafts from this runner's hidden states, a draft model from its own forward
         (each with its own KV on top of the target's); other methods as the base runner
         decides."""
-        if config.method == "mtp":
+        if config.method in ("mtp", "eagle", "eagle3"):  # heads over the target's hidden states
             from kvmesh.engine.spec.mtp_proposer import MtpProposer
 
             return MtpProposer(config, self)

@@ -59,6 +59,9 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     architecture: str = "LlamaForCausalLM"
     moe: MoeConfig | None = None  # set exactly for MOE_ARCHITECTURES
+    # MTP layers stored after the decoder's, as model.layers.{num_hidden_layers + i} (DeepSeek-V3
+    # naming); the target's load skips them, spec.target_mtp loads them for method "mtp"
+    num_nextn_predict_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -113,7 +116,17 @@ class ModelConfig:
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
             architecture=arch,
             moe=moe,
+            num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers") or 0),
         )
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, 1, head_dim] of each position, in dtype (shared by all layers)."""
+    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def rope_inv_freq(c: ModelConfig) -> torch.Tensor:
@@ -249,9 +262,7 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, hd], shared by all layers
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, meta)
         return self.model.norm(x)

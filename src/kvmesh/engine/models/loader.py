@@ -120,11 +120,16 @@ def _load_hf_dir(path: Path, device, dtype, ep: ExpertParallelConfig | None) -> 
         raise ValueError(f"{path}: no *.safetensors weights")
     load_progress.step("reading the weights: %d safetensors file(s) in %s", len(files), path)
 
+    # the model's own MTP layers follow its decoder layers; spec.target_mtp loads them on demand
+    n, extra = config.num_hidden_layers, config.num_nextn_predict_layers
+    mtp_layers = tuple(f"model.layers.{n + i}." for i in range(extra))
+
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         for file in files:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                    yield name, f.get_tensor(name)
+                    if not name.startswith(mtp_layers):
+                        yield name, f.get_tensor(name)
 
     model = _build(config, weights(), device, dtype, ep)
     load_progress.step("loading the tokenizer")

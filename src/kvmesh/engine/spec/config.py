@@ -2,10 +2,11 @@
 
 Methods kvmesh runs: ngram (prompt lookup over the request's own tokens), mtp (the target's
 next-n prediction layers, or an MTP head file given as `model`), draft_model (a smaller model
-sharing the tokenizer) and eagle / eagle3 (a head file given as `model`). The model-specific MTP
-names vLLM once accepted (deepseek_mtp, qwen3_next_mtp, ...) normalise to mtp. Methods vLLM has
-and kvmesh does not (medusa, suffix, ...) and keys for features kvmesh lacks are refused, not
-ignored, so a config never silently means less than it says.
+sharing the tokenizer) and eagle (an EAGLE-1 head directory given as `model`); eagle3 parses
+but the engine refuses it when it loads the head. The model-specific MTP names vLLM once
+accepted (deepseek_mtp, qwen3_next_mtp, ...) normalise to mtp. Methods vLLM has and kvmesh does
+not (medusa, suffix, ...) and keys for features kvmesh lacks are refused, not ignored, so a
+config never silently means less than it says.
 """
 
 from __future__ import annotations

@@ -25,18 +25,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvmesh.engine.attention import AttentionMetadata
-from kvmesh.engine.models.llama import DecoderLayer, LlamaForCausalLM, ModelConfig, RMSNorm
+from kvmesh.engine.models.llama import (
+    DecoderLayer,
+    LlamaForCausalLM,
+    ModelConfig,
+    RMSNorm,
+    rope_cos_sin,
+)
 
 # trained for the embedded SmolLM2 by scripts/train_draft_head.py (absent until shipped)
 SMOLLM2_MTP_HEAD = Path(__file__).parent / "heads" / "smollm2_mtp.safetensors"
 
 
 class SharedHead(nn.Module):
-    """The final norm of an MTP layer; the projection itself is the target's LM head."""
+    """The final norm of an MTP layer; the projection is the target's LM head unless a
+    checkpoint gives the layer its own (`head`, set by spec.target_mtp when it differs)."""
 
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.head: nn.Linear | None = None
 
 
 class MtpLayer(nn.Module):
@@ -86,6 +94,7 @@ class MultiTokenPredictor(nn.Module):
             raise ValueError("MTP config must keep the target's hidden_size, vocab and head_dim")
         self.config = c
         self.layers = nn.ModuleList(MtpLayer(c) for _ in range(num_layers))
+        self.embed_tokens: nn.Embedding | None = None  # own embedding, else the target's
         self._target = (target,)  # a tuple hides it from nn.Module registration
 
     @property
@@ -110,18 +119,16 @@ class MultiTokenPredictor(nn.Module):
         """input_ids [T]: the token after each row's hidden state; positions [T]: the hidden
         state's position. Returns g [T, H]; feed it back as `hidden` for depth + 1."""
         target = self.target
-        embeds = target.model.embed_tokens(input_ids).to(hidden.dtype)
-        inv = target.inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * inv[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        cos, sin = emb.cos().to(hidden.dtype), emb.sin().to(hidden.dtype)
+        embeds = (self.embed_tokens or target.model.embed_tokens)(input_ids).to(hidden.dtype)
+        cos, sin = rope_cos_sin(positions, target.inv_freq, hidden.dtype)
         layer = self.layers[self.layer_for(depth)]
         return layer(embeds, hidden, positions, cos, sin, kv_cache, meta)
 
     def compute_logits(self, g: torch.Tensor, depth: int = 1) -> torch.Tensor:
         """[T, H] -> [T, V] float32 through the layer's norm and the target's LM head."""
-        normed = self.layers[self.layer_for(depth)].shared_head.norm(g)
-        head = self.target.lm_head or self.target.model.embed_tokens
+        shared = self.layers[self.layer_for(depth)].shared_head
+        normed = shared.norm(g)
+        head = shared.head or self.target.lm_head or self.target.model.embed_tokens
         return F.linear(normed, head.weight).float()
 
     def init_from_target(self) -> None:

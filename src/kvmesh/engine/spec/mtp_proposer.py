@@ -12,6 +12,10 @@ table and the target's slot numbering. Two passes per step:
   L + d - 1 reading (draft d - 1, g of depth d - 1) and writing its KV into the lookahead slots
   the scheduler reserved (num_lookahead_tokens = k - 1). All requests run batched per depth.
 
+The head is any of mtp.MultiTokenPredictor (a head file, or the target's own MTP layers read
+by spec.target_mtp) or spec.eagle.EagleDrafter (an EAGLE-1 head, one layer): both map (token,
+hidden state) rows to the next hidden state with the same interface and chaining.
+
 A head with n layers serves depth d with layer (d - 1) % n and that layer's cache: a layer
 other than the first attends only to rows its own chains wrote (depth 1's are the first's).
 
@@ -38,8 +42,10 @@ from kvmesh.engine.models.llama import LlamaForCausalLM
 from kvmesh.engine.scheduler import SchedulerOutput
 from kvmesh.engine.sequence import Request
 from kvmesh.engine.spec.config import SpeculativeConfig
+from kvmesh.engine.spec.eagle import EagleDrafter, load_eagle_head
 from kvmesh.engine.spec.mtp import SMOLLM2_MTP_HEAD, MultiTokenPredictor, load_mtp_head
 from kvmesh.engine.spec.speculator import Proposer
+from kvmesh.engine.spec.target_mtp import check_supported, load_target_mtp
 
 if TYPE_CHECKING:
     from kvmesh.engine.torch_runner import TorchRunner
@@ -47,28 +53,39 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def load_head(config: SpeculativeConfig, target, model_config) -> MultiTokenPredictor:
-    """The MTP layers `config` names for `target`: "smollm2" is the head shipped for the
-    embedded model, anything else a head file (mtp.save_mtp_head's format)."""
+def load_head(
+    config: SpeculativeConfig, target, model_config, model_path: str | Path | None = None
+) -> MultiTokenPredictor | EagleDrafter:
+    """The draft head `config` names for `target`. mtp: "smollm2" is the head shipped for the
+    embedded model, another "model" a head file (mtp.save_mtp_head's format), none the target's
+    own MTP layers from its HF directory `model_path`. eagle: an EAGLE-1 head directory."""
     if not isinstance(target, LlamaForCausalLM):
         raise ValueError(f"MTP drafting needs a Llama-shaped target, not {type(target).__name__}")
-    if config.model is None:
-        if getattr(model_config, "num_nextn_predict_layers", 0) >= 1:
-            raise ValueError(
-                "the target's own MTP layers are not loaded yet; give an MTP head file as 'model'"
-            )
+    from safetensors import SafetensorError
+
+    errors = (ValueError, RuntimeError, KeyError, OSError, SafetensorError)
+    if config.method == "eagle3":
         raise ValueError(
-            "the target model carries no MTP layers (num_nextn_predict_layers = 0); give an MTP "
-            'head file as "model" (the embedded SmolLM2\'s head is "model": "smollm2")'
+            "method 'eagle3' is not supported yet (EAGLE-3 heads read several target layers); "
+            "use an EAGLE-1 head with method 'eagle', or 'mtp' / 'draft_model' / 'ngram'"
         )
+    if config.method == "eagle":
+        try:
+            return load_eagle_head(target, str(config.model))
+        except errors as e:
+            raise ValueError(f"EAGLE head {config.model} does not fit the target: {e}") from e
+    if config.model is None:
+        check_supported(model_config)
+        try:
+            return load_target_mtp(target, model_config, model_path)
+        except errors as e:
+            raise ValueError(f"the target's own MTP layers do not load: {e}") from e
     path = SMOLLM2_MTP_HEAD if config.model == "smollm2" else Path(config.model)
     if not path.is_file():
         raise ValueError(f"MTP head {path}: no such file")
-    from safetensors import SafetensorError
-
     try:
         return load_mtp_head(target, path)
-    except (ValueError, RuntimeError, KeyError, OSError, SafetensorError) as e:
+    except errors as e:
         raise ValueError(f"MTP head {path} does not fit the target: {e}") from e
 
 
@@ -84,7 +101,8 @@ class MtpProposer(Proposer):
         self.k = config.num_speculative_tokens or 1
         self.num_lookahead_tokens = self.k - 1  # depths 2..k write ahead of the target
         self.runner = runner
-        self.mtp = load_head(config, runner.model, runner.model_config)
+        model_path = getattr(runner, "model_path", None)
+        self.mtp = load_head(config, runner.model, runner.model_config, model_path)
         self.block_size = runner.config.block_size
         layers = replace(self.mtp.config, num_hidden_layers=len(self.mtp.layers))
         self.kv_caches = allocate_kv_cache(
@@ -93,7 +111,8 @@ class MtpProposer(Proposer):
         self.tails: dict[str, _Tail] = {}
         size = sum(c.numel() * c.element_size() for c in self.kv_caches)
         logger.info(
-            "MTP drafter: %d layer(s), k=%d, KV %.1f MiB on top of the target's",
+            "%s drafter: %d layer(s), k=%d, KV %.1f MiB on top of the target's",
+            config.method.upper(),
             len(self.mtp.layers),
             self.k,
             size / 2**20,
