@@ -213,7 +213,10 @@ async def test_stale_keep_alive_connection_is_replaced(tokenizer) -> None:
 async def test_headers_forwarded_and_keep_alive_pipelining(tokenizer) -> None:
     engine = Engine("ok")
     async with routed(tokenizer, [engine]) as (_, port):
-        raw = post("/v1/completions", {"prompt": "a"}, "X-Request-Id: rid-7\r\n", close=False)
+        passed = "X-Session-Id: s-1\r\ntraceparent: 00-4bf92f3577b34da6a3ce929d0e0e4736-00f0-01\r\n"
+        raw = post(
+            "/v1/completions", {"prompt": "a"}, f"X-Request-Id: rid-7\r\n{passed}", close=False
+        )
         raw += post("/v1/chat/completions", {"messages": [{"role": "user", "content": "b"}]})
         out = await exchange(port, raw)
     assert out.count(b"HTTP/1.1 200") == 2
@@ -221,6 +224,9 @@ async def test_headers_forwarded_and_keep_alive_pipelining(tokenizer) -> None:
     (t1, h1, _), (t2, h2, _) = engine.requests
     assert (t1, t2) == (b"/v1/completions", b"/v1/chat/completions")
     assert h1["x-request-id"] == "rid-7" and len(h2["x-request-id"]) == 32
+    # session and trace context go on (a router replica or a tracing engine reads them)
+    assert h1["x-session-id"] == "s-1" and h1["traceparent"].startswith("00-4bf92f")
+    assert "x-session-id" not in h2 and h1["host"].startswith("127.0.0.1:")  # not the client's
 
 
 @pytest.mark.parametrize(

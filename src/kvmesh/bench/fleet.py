@@ -5,7 +5,9 @@ starts a router (kvmesh presets; sglang-router / vllm-router policies as sglang:
 where installed), clears the engines' prefix caches, runs the workload through it and stops it.
 Prints hit rate (with the workload's ceiling: an infinite cache on one engine), TTFT p50/p90/p99,
 ITL p50, output tokens/s, requests per engine max/mean, engine busy time, preemptions and errors;
-writes fleet.json and fleet.png (TTFT CDF, hit rate over time, requests per engine) to --out."""
+writes fleet.json and fleet.png (TTFT CDF, hit rate over time, requests per engine) to --out.
+--router-replicas adds rows of kvmesh router replicas, active-active behind a round-robin front
+(bench.replicas)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from kvmesh.bench import cli_args, loadgen
+from kvmesh.bench import cli_args, loadgen, replicas
 from kvmesh.bench.fleet_engines import (
     engine_timing,
     kv_move_counters,
@@ -98,6 +100,23 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="Port of the first policy's router on 127.0.0.1; the routers run one at a time, "
         "the i-th on this port + i. 0: a free port each [0].",
+    )
+    parser.add_argument(
+        "--router-replicas",
+        default="",
+        metavar="N,N,...",
+        help="Also run the kvmesh preset as N router replicas, active-active, behind a "
+        "round-robin front (--replica-front), a row 'kvmesh xN' per count, e.g. 1,2,4; each "
+        "replica subscribes to every engine's KV events itself and shares nothing with the "
+        "others; routers on free ports. Off by default.",
+    )
+    parser.add_argument(
+        "--replica-front",
+        choices=tuple(replicas.FRONTS),
+        default="balancer",
+        help="The replicas' round-robin front: a tiny HTTP balancer that passes every header on "
+        "(as a Kubernetes Service or Envoy would), or a kvmesh round-robin router, which sends "
+        "the replicas no client header such as x-session-id [balancer].",
     )
     parser.add_argument("--sglang-router-bin", default=None, help="sglang-router executable.")
     parser.add_argument("--vllm-router-bin", default=None, help="vllm-router executable.")
@@ -193,6 +212,38 @@ def _engine_variants(specs: list[str]) -> list[tuple[str, str]]:
     return out
 
 
+def run_row(
+    args: argparse.Namespace,
+    wl,
+    url: str,
+    urls: list[str],
+    timed: list[str],
+    name: str,
+    progress,
+) -> dict:
+    """loadgen's summary of `wl` sent to `url`, plus router_metrics (of `url`), kv_moves and
+    timing (the engines' counters over the run; `timed`: the kvmesh engines among `urls`)."""
+    pulls_before, timing_before = kv_move_counters(urls), engine_timing(timed)
+    row = asyncio.run(
+        loadgen.run_workload(
+            url,
+            wl,
+            concurrency=args.concurrency,
+            engines=urls,
+            label=name,
+            progress=progress,
+            timeout_s=args.request_timeout,
+            time_scale=args.time_scale_used,
+            prompt_format=args.prompt_format,
+        )
+    )
+    row["router_metrics"] = router_metrics(url)
+    pulls, timing = kv_move_counters(urls), engine_timing(timed)
+    row["kv_moves"] = {k: v - pulls_before.get(k, 0.0) for k, v in pulls.items()}
+    row["timing"] = {k: v - timing_before.get(k, 0) for k, v in timing.items()}
+    return row
+
+
 def run_policies(
     args: argparse.Namespace,
     wl,
@@ -223,26 +274,9 @@ def run_policies(
         except RuntimeError as exc:  # one router that fails to start skips its row only
             skipped.append(f"{name}: did not start ({str(exc)[:200]})")
             continue
-        pulls_before, timing_before = kv_move_counters(urls), engine_timing(timed)
         try:
-            row = asyncio.run(
-                loadgen.run_workload(
-                    url,
-                    policy_wl,
-                    concurrency=args.concurrency,
-                    engines=urls,
-                    label=name,
-                    progress=progress,
-                    timeout_s=args.request_timeout,
-                    time_scale=args.time_scale_used,
-                    prompt_format=args.prompt_format,
-                )
-            )
-            row["router_metrics"] = rm = router_metrics(url)
-            pulls, timing = kv_move_counters(urls), engine_timing(timed)
-            row["kv_moves"] = {k: v - pulls_before.get(k, 0.0) for k, v in pulls.items()}
-            row["timing"] = {k: v - timing_before.get(k, 0) for k, v in timing.items()}
-            rows[name] = row
+            rows[name] = row = run_row(args, policy_wl, url, urls, timed, name, progress)
+            rm = row["router_metrics"]
             if (
                 t.kind == "kvmesh"
                 and t.policy in ("precise-prefix", "kvmesh")
@@ -274,6 +308,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         chosen = _targets(spec, args.router_variant)
         variants = _engine_variants(args.engine_variant)
+        replica_counts = replicas.parse_counts(args.router_replicas)
     except ValueError as exc:
         console.print(f"kvmesh bench fleet: {exc}")
         return 2
@@ -321,12 +356,29 @@ def main(args: argparse.Namespace) -> int:
                 )
                 rows.update(got)
                 skipped.extend(notes)
+                if replica_counts:
+                    got, notes = replicas.run_replicas(
+                        args,
+                        wl,
+                        urls,
+                        replica_counts,
+                        out,
+                        progress,
+                        run_row,
+                        f"@{variant}" if variant else "",
+                        seed_offset=len(targets),
+                        front_kind=args.replica_front,
+                    )
+                    rows.update(got)
+                    skipped.extend(notes)
             finally:
                 if engines_proc is not None:
                     engines_proc.stop()
     for note in skipped:
         console.print(f"[yellow]note[/] {note}")
     console.print(loadgen.table(list(rows.items()), ceiling["hit_rate"], title))
+    if any("replicas" in s for s in rows.values()):
+        console.print(replicas.table(rows))
     for name, s in rows.items():
         if any(s.get("kv_moves", {}).values()):
             console.print(f"KV moved, {name}: {s['kv_moves']}")
@@ -348,6 +400,10 @@ def main(args: argparse.Namespace) -> int:
         "policies": rows,
         "targets": check_targets(wl.kind, ceiling["hit_rate"], rows),
     }
+    for variant, _ in variants:
+        suffix = f"@{variant}" if variant else ""
+        got = replicas.targets(rows, suffix)
+        result["targets"].update({k + suffix: v for k, v in got.items()})
     (out / "fleet.json").write_text(json.dumps(result, indent=1))
     if rows:
         plot(result, out / "fleet.png")

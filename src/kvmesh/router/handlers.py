@@ -201,6 +201,11 @@ def _source(
     return select_source(router.precise_index, candidates, e, req, router.peer_sources, tried)
 
 
+# end-to-end headers the client's request carries on to the endpoint: session affinity (a
+# router behind this one, or an engine, may read it) and W3C trace context (vLLM's tracing)
+PASSED_HEADERS = ("x-session-id", "traceparent", "tracestate")
+
+
 def _request_head(
     router: Router,
     link: Link,
@@ -212,6 +217,10 @@ def _request_head(
     """What goes to the endpoint: head and body (``body``: in place of the client's)."""
     body = request.body if body is None else body
     peer = f"{PEER_HEADER}: {source.address}\r\n" if source else ""
+    got = request.headers
+    for name in PASSED_HEADERS:  # (the parser's values hold no CR or LF)
+        if name in got:
+            peer += f"{name}: {got[name]}\r\n"
     head = (
         f"POST {request.target} HTTP/1.1\r\n{link.headers}Content-Type: application/json\r\n"
         f"X-Request-Id: {req.request_id}\r\nContent-Length: {len(body)}\r\n{peer}"
