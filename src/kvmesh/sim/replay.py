@@ -10,6 +10,7 @@ measures over HTTP, in a fraction of its time.
       --policies round-robin,kvmesh
   kvmesh sim --workload agentic --engines 8 --sessions 32 --repos 16 --repo-tokens 6000 \\
       --tool-tokens 1200 --turns 12 --session-rate 0.8 --policies round-robin,kvmesh
+  kvmesh sim --workload agentic --agents 400 --duration 60 --engines 32 --policies kvmesh
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from pathlib import Path
 
 from kvmesh.bench.cli_args import DEFAULT_TRACE, add_workload_params, build_workload
 from kvmesh.protocol.stats import percentile
+from kvmesh.sim import agents_cli
+from kvmesh.sim.agents_cli import add_agent_args
 from kvmesh.sim.fleet import FleetSim, FleetSimConfig, SimRecord
 from kvmesh.sim.requests import (  # noqa: F401 - trace_requests is this module's API too
     hit_ceiling,
@@ -104,6 +107,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--output", default="", help="Write the results as JSON here, and a PNG beside it."
     )
     add_workload_params(p.add_argument_group("workload"), ("agentic", "shared-prefix"))
+    add_agent_args(p)
 
 
 def _configs(serve_args: str, engines: int, scrape: float, seed: int = 0) -> FleetSimConfig:
@@ -173,6 +177,11 @@ def main(args: argparse.Namespace) -> int:
         if spec.endswith((".yaml", ".yml")) and not Path(spec).is_file():
             print(f"kvmesh sim: no such policy file {spec}", file=sys.stderr)
             return 2
+    if args.agents:
+        if args.workload != "agentic":
+            print("kvmesh sim: --agents needs --workload agentic", file=sys.stderr)
+            return 2
+        return agents_cli.main(args, config, specs)
     if args.workload == "trace":
         if not Path(args.trace).is_file():
             print(f"kvmesh sim: no such trace {args.trace}", file=sys.stderr)
