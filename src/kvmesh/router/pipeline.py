@@ -65,7 +65,10 @@ schedulingProfiles:
     # there, paid once by the request and once by every request decoding beside it; so a long
     # context stays with its holder, while a prefix every session shares (a system prompt) does
     # not pull new sessions onto a busy holder when an idle engine can compute it once; LRU
-    # spreads cold prompts; tuned with `kvmesh sim` on the agentic workload and the Mooncake trace
+    # spreads cold prompts; the prompt tokens in flight on each endpoint (token load) keep
+    # long contexts from piling onto the engines that hold shared prefixes while others idle:
+    # a decode step reads every running context; tuned with `kvmesh sim` on the agentic
+    # workload (open and closed loop, --agents) and the Mooncake trace
     "kvmesh": """
 plugins:
 - {type: precise-prefix-cache-scorer}
@@ -76,6 +79,7 @@ plugins:
 - {type: kv-cache-utilization-scorer}
 - {type: session-affinity-scorer}
 - {type: no-hit-lru-scorer}
+- {type: token-load-scorer, parameters: {queueThresholdTokens: 262144}}
 schedulingProfiles:
 - name: default
   plugins:
@@ -87,6 +91,7 @@ schedulingProfiles:
   - {pluginRef: kv-cache-utilization-scorer, weight: 1}
   - {pluginRef: session-affinity-scorer, weight: 1}
   - {pluginRef: no-hit-lru-scorer, weight: 1}
+  - {pluginRef: token-load-scorer, weight: 4}
 """,
     # selective P/D over endpoints labelled llm-d.ai/role: prefill | decode | both
     "pd": """
