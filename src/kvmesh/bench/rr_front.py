@@ -24,6 +24,7 @@ HOP = frozenset(
     + ("upgrade", "host", "content-length")
 )
 FRONT_HEADER = "x-kvmesh-front"  # on answers: the upstream that served
+HTTP = web.AppKey("http", aiohttp.ClientSession)  # the upstream session
 
 
 def make_app(upstreams: list[str]) -> web.Application:
@@ -34,11 +35,11 @@ def make_app(upstreams: list[str]) -> web.Application:
     async def session(app: web.Application):
         connector = aiohttp.TCPConnector(limit=0)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
-        app["http"] = aiohttp.ClientSession(
+        app[HTTP] = aiohttp.ClientSession(
             connector=connector, timeout=timeout, auto_decompress=False
         )
         yield
-        await app["http"].close()
+        await app[HTTP].close()
 
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -55,7 +56,7 @@ def make_app(upstreams: list[str]) -> web.Application:
         body = await request.read()
         url = up + request.rel_url.raw_path_qs
         try:
-            async with app["http"].request(request.method, url, headers=headers, data=body) as r:
+            async with app[HTTP].request(request.method, url, headers=headers, data=body) as r:
                 kept = CIMultiDict((k, v) for k, v in r.headers.items() if k.lower() not in HOP)
                 kept.add(FRONT_HEADER, up)
                 out = web.StreamResponse(status=r.status, headers=kept)
