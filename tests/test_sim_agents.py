@@ -13,7 +13,7 @@ from kvmesh.engine.tokenizer import load_tokenizer
 from kvmesh.protocol.hashing import BlockHasher, block_hash_to_int
 from kvmesh.sim import replay
 from kvmesh.sim.agents import AgentConfig, ClosedLoop
-from kvmesh.sim.agents_report import loop_ceiling, summarize_loop
+from kvmesh.sim.agents_report import knee, loop_ceiling, summarize_loop
 from kvmesh.sim.digests import PromptDigests
 from kvmesh.sim.fleet import FleetSim, SimRequest
 from kvmesh.sim.quiet import quieten
@@ -176,3 +176,57 @@ def test_the_session_shape_is_the_workloads(loop):
     assert wl.requests[0].prompt_tokens == sum(n for _, n in wl.requests[0].prompt)
     head = sum(SHAPE[k] for k in ("system_tokens", "tool_def_tokens", "repo_tokens"))
     assert req0.num_tokens == head + SHAPE["task_tokens"] and not req0.deps
+
+
+def test_cli_sweeps_agent_counts_into_points_a_knee_and_a_plot(capsys, tmp_path):
+    import json
+
+    out = tmp_path / "sweep.json"
+    argv = ["sim", "--workload", "agentic", "--agents", "3,2", "--duration", "4", "--engines"]
+    argv += ["2", "--turns", "2", "--repo-tokens", "500", "--policies", "round-robin,kvmesh"]
+    assert main([*argv, "--output", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "3,2 agents for 4 simulated s, 2 engines" in text and text.count("tok/min") == 8
+    assert text.count("no knee") == 2  # tiny runs do not preempt
+    data = json.loads(out.read_text())
+    assert data["agents"] == [3, 2] and set(data["policies"]) == {"round-robin", "kvmesh"}
+    for run in data["policies"].values():
+        assert [p["agents"] for p in run["points"]] == [3, 2] and run["knee"] is None
+    png = tmp_path / "sweep.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_knee_is_the_fewest_agents_that_preempted():
+    def pts(*pairs):
+        return [{"agents": n, "preemptions": k} for n, k in pairs]
+
+    assert knee(pts((20, 0), (40, 0), (80, 3), (160, 50))) == 80
+    assert knee(pts((160, 50), (80, 3), (40, 0), (20, 0))) == 80  # in any order
+    assert knee(pts((20, 0), (40, 2), (80, 0))) == 40
+    assert knee(pts((20, 0), (40, 0))) is None
+    assert knee([]) is None
+
+
+@pytest.mark.parametrize(
+    "agents, message",
+    [
+        ("0,10", "at least 1"),
+        ("-3", "at least 1"),
+        ("a,b", "not a count"),
+        ("10,,20", "not a count"),
+        ("10,20,10", "appears twice"),
+    ],
+)
+def test_cli_refuses_bad_agent_lists(capsys, agents, message):
+    with pytest.raises(SystemExit) as exc:
+        main(["sim", "--workload", "agentic", "--agents", agents, "--duration", "1"])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_agent_counts_parse_one_count_a_list_and_zero_as_the_open_workload():
+    from kvmesh.sim.agents_cli import agent_counts
+
+    assert agent_counts("40") == [40]
+    assert agent_counts("160,80, 40") == [160, 80, 40]  # decreasing is fine
+    assert agent_counts("0") == []  # the default: the open workload of --sessions

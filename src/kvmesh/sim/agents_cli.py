@@ -1,5 +1,9 @@
 """`kvmesh sim --workload agentic --agents N --duration S`: the closed loop of coding agents
-(kvmesh.sim.agents) through each policy on a fresh fleet, one table row per policy."""
+(kvmesh.sim.agents) through each policy on a fresh fleet, one table row per policy.
+
+`--agents N1,N2,...` sweeps: every policy at each count (same seed), one table per policy with a
+row per count and the knee (the smallest count whose run preempted), and with `--output` the
+points in the JSON and a plot of them beside it."""
 
 from __future__ import annotations
 
@@ -12,18 +16,38 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvmesh.sim.agents import AgentConfig, ClosedLoop
-from kvmesh.sim.agents_report import loop_ceiling, print_loop_row, summarize_loop
+from kvmesh.sim.agents_report import knee, loop_ceiling, print_knee, print_loop_row, summarize_loop
 from kvmesh.sim.fleet import FleetSim, FleetSimConfig
+
+
+def agent_counts(text: str) -> list[int]:
+    """`--agents`: one count or a comma-separated list of distinct positive counts; "0" (the
+    default) is the empty list: the open workload instead."""
+    parts = text.split(",")
+    try:
+        counts = [int(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a count or a comma-separated list of counts"
+        ) from None
+    if counts == [0]:
+        return []
+    if any(n < 1 for n in counts):
+        raise argparse.ArgumentTypeError(f"{text!r}: every count must be at least 1")
+    if len(set(counts)) < len(counts):
+        raise argparse.ArgumentTypeError(f"{text!r}: a count appears twice")
+    return counts
 
 
 def add_agent_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("closed-loop agents (--workload agentic)")
     g.add_argument(
         "--agents",
-        type=int,
-        default=0,
+        type=agent_counts,
+        default=[],
         help="Concurrent coding agents, each running agentic sessions back to back for "
-        "--duration; 0: the open workload of --sessions instead [0].",
+        "--duration; a comma-separated list (20,40,80) runs every policy at each count; "
+        "0: the open workload of --sessions instead [0].",
     )
     g.add_argument(
         "--duration", type=float, default=60.0, help="Simulated seconds of --agents [60]."
@@ -41,11 +65,13 @@ def add_agent_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def agent_config(args: argparse.Namespace) -> AgentConfig:
+def agent_config(args: argparse.Namespace, agents: int | None = None) -> AgentConfig:
+    """The loop of `agents` agents (default: the first of --agents) and the session flags."""
     from kvmesh.bench.cli_args import build_workload
 
     params = build_workload(args, "agentic", sessions=0).params  # the session shape's flags
-    return AgentConfig(args.agents, args.duration, args.ramp_s, args.seed, params)
+    count = args.agents[0] if agents is None else agents
+    return AgentConfig(count, args.duration, args.ramp_s, args.seed, params)
 
 
 def run_agents(
@@ -77,6 +103,8 @@ def main(args: argparse.Namespace, config: FleetSimConfig, specs: list[str]) -> 
     except ValueError as exc:
         print(f"kvmesh sim: {exc}", file=sys.stderr)
         return 2
+    if len(args.agents) > 1:
+        return sweep(args, config, specs)
     print(f"{agents.agents} agents for {agents.duration:g} simulated s, {config.engines} engines")
     results: dict = {"agents": agents.agents, "duration_s": agents.duration, "policies": {}}
     for spec in specs:
@@ -87,4 +115,39 @@ def main(args: argparse.Namespace, config: FleetSimConfig, specs: list[str]) -> 
         with open(args.output, "w") as f:
             json.dump(results, f, indent=1)
         print(f"wrote {args.output}")
+    return 0
+
+
+def sweep(args: argparse.Namespace, config: FleetSimConfig, specs: list[str]) -> int:
+    """Every policy at each count of --agents (same seed): a table per policy, its knee."""
+    counts = args.agents
+    print(
+        f"{','.join(map(str, counts))} agents for {args.duration:g} simulated s, "
+        f"{config.engines} engines"
+    )
+    results: dict = {
+        "agents": counts,
+        "duration_s": args.duration,
+        "engines": config.engines,
+        "policies": {},
+    }
+    for spec in specs:
+        points = []
+        for i, n in enumerate(counts):
+            name, summary = run_agents(config, spec, agent_config(args, n), not args.no_ceiling)
+            if i == 0:
+                print(f"{name}:", flush=True)
+            print_loop_row(f"{n} agents", summary)
+            points.append(summary)
+        at = knee(points)
+        print_knee(at, max(counts))
+        results["policies"][name] = {"knee": at, "points": points}
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(results, f, indent=1)
+        from kvmesh.sim.agents_plot import plot_sweep
+
+        png = args.output.removesuffix(".json") + ".png"
+        plot_sweep(png, results["policies"])
+        print(f"wrote {args.output} and {png}")
     return 0

@@ -10,6 +10,8 @@ Every figure is a function of the records and the fleet at the end of the run (v
 - per-user tok/s: (output tokens - 1) / (finish - first token) of finished requests with more
   than one output token (the decode speed a user watches);
 - GPU busy share: stepping time within [0, duration] over engines x duration.
+
+A sweep over agent counts has a knee: the smallest count whose run preempted (None: no knee).
 """
 
 from __future__ import annotations
@@ -82,3 +84,16 @@ def print_loop_row(name: str, s: dict) -> None:
         f"  busy {s['gpu_busy']:.2f}  ({s.get('sim_wall_s', 0):.0f} s)",
         flush=True,
     )
+
+
+def knee(points: list[dict]) -> int | None:
+    """The smallest agent count among `points` (summaries) whose run preempted; None if none."""
+    hit = [p["agents"] for p in points if p["preemptions"] > 0]
+    return min(hit) if hit else None
+
+
+def print_knee(at: int | None, largest: int) -> None:
+    if at is None:
+        print(f"{'':>14}  no knee: no preemptions up to {largest} agents", flush=True)
+    else:
+        print(f"{'':>14}  knee at {at} agents: the fewest with preemptions", flush=True)
