@@ -113,6 +113,19 @@ class Fleet:
         self.wait_index_in_sync()
 
 
+def routed_fleet(router: Process, engines: list[Engine], block_keys: Callable) -> Fleet:
+    """The fleet once `router` answers /health and has subscribed to every engine's events
+    (each publisher's replay applied)."""
+    router.wait_healthy(120)
+    fleet = Fleet(router, engines, block_keys)
+    for e in engines:
+        fleet.wait_router(
+            lambda n=e.name: fleet.router_value("kvmesh_router_kv_index_warm", endpoint=n) == 1,
+            f"KV index warm for {e.name}",
+        )
+    return fleet
+
+
 def cached_tokens(response: dict) -> int:
     """vLLM's usage.prompt_tokens_details.cached_tokens (needs --enable-prompt-tokens-details)."""
     details = response["usage"].get("prompt_tokens_details")

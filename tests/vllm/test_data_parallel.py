@@ -9,7 +9,7 @@ import pytest
 
 from kvmesh.protocol.kv_events import BlockStored
 from tests.vllm.events import EventRecorder
-from tests.vllm.fleet import Engine, Fleet, cached_tokens, text_prompt
+from tests.vllm.fleet import Engine, Fleet, cached_tokens, routed_fleet, text_prompt
 from tests.vllm.procs import offset_port, start_router, start_vllm
 
 pytestmark = pytest.mark.vllm
@@ -42,14 +42,7 @@ def dp_fleet(vllm_python, model_dir, log_dir, router_tokenizer):
             engines.append(Engine(f"{proc.url}#dp{rank}", proc.url, recorders[-1], headers))
         router = start_router([proc.url], model_dir, log_dir)
         started.append(router)
-        router.wait_healthy(120)
-        fleet = Fleet(router, engines, router_tokenizer.block_keys)
-        for e in engines:
-            fleet.wait_router(
-                lambda n=e.name: fleet.router_value("kvmesh_router_kv_index_warm", endpoint=n) == 1,
-                f"KV index warm for {e.name}",
-            )
-        yield fleet
+        yield routed_fleet(router, engines, router_tokenizer.block_keys)
     finally:
         for rec in recorders:
             rec.close()

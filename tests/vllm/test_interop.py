@@ -9,7 +9,14 @@ import pytest
 
 from kvmesh.protocol.kv_events import BlockRemoved, BlockStored
 from tests.vllm.events import EventRecorder
-from tests.vllm.fleet import ENDPOINT_HEADER, Engine, Fleet, cached_tokens, text_prompt
+from tests.vllm.fleet import (
+    ENDPOINT_HEADER,
+    Engine,
+    Fleet,
+    cached_tokens,
+    routed_fleet,
+    text_prompt,
+)
 from tests.vllm.procs import BLOCK_SIZE, SERVED_MODEL, http, start_router, start_vllm
 
 pytestmark = pytest.mark.vllm
@@ -30,14 +37,7 @@ def fleet(vllm_python, model_dir, log_dir, router_tokenizer):
             engines.append(Engine(proc.url, proc.url, recorders[-1]))
         router = start_router([e.url for e in engines], model_dir, log_dir)
         started.append(router)
-        router.wait_healthy(120)
-        fleet = Fleet(router, engines, router_tokenizer.block_keys)
-        for e in engines:  # subscribed, and each publisher's replay applied
-            fleet.wait_router(
-                lambda n=e.name: fleet.router_value("kvmesh_router_kv_index_warm", endpoint=n) == 1,
-                f"KV index warm for {e.name}",
-            )
-        yield fleet
+        yield routed_fleet(router, engines, router_tokenizer.block_keys)
     finally:
         for rec in recorders:
             rec.close()

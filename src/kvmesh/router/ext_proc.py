@@ -197,7 +197,7 @@ class _Stream:
             req = await router.parser.parse(request)
         except Exception as exc:
             refusal = _Refusal()
-            handlers._refuse(refusal, exc)  # type: ignore[arg-type]
+            handlers.refuse(refusal, exc)  # type: ignore[arg-type]
             assert refusal.answer is not None
             return immediate(*refusal.answer)
         if router.warm_until:  # just started: the engines' KV-event replay is still coming in
@@ -205,12 +205,12 @@ class _Stream:
         result = router.pick(req, set())
         router.metrics.scheduling.observe(perf_counter() - t0)
         if result is None:
-            return self._no_endpoint("request_body")
+            return self.no_endpoint("request_body")
         e, send, source = result.primary, body, None
         if result.prefill is not None:  # P/D: the decode endpoint gets its KV from prefill
             send = await prefill_remotely(router, path, body, req, result.prefill)
         else:
-            source = handlers._source(router, req, e, {e.name})
+            source = handlers.peer_source(router, req, e, {e.name})
         self.endpoint = e
         self.charge = handlers.Charge(router, req, e, source, computes_prompt=send is body)
         extra = [("x-request-id", req.request_id)]
@@ -223,7 +223,7 @@ class _Stream:
         healthy endpoint, no load charged."""
         candidates = self.router.pool.candidates()
         if not candidates:
-            return self._no_endpoint(kind)
+            return self.no_endpoint(kind)
         e = min(candidates, key=lambda c: c.in_flight + c.waiting)
         self.endpoint = e
         return await self._destination(kind, e, [], None)
@@ -256,13 +256,13 @@ class _Stream:
         getattr(answer, kind).response.CopyFrom(common)
         return answer
 
-    def _no_endpoint(self, kind: str) -> pb.ProcessingResponse:
+    def no_endpoint(self, kind: str) -> pb.ProcessingResponse:
         if self.picker.fail_open:  # Envoy routes by its own configuration, never the client's
             answer = pb.ProcessingResponse(**{kind: _EMPTY[kind]()})
             getattr(answer, kind).response.header_mutation.remove_headers.append(DESTINATION)
             return answer
         refusal = _Refusal()
-        handlers._no_endpoint(refusal)  # type: ignore[arg-type]
+        handlers.no_endpoint(refusal)  # type: ignore[arg-type]
         assert refusal.answer is not None
         return immediate(*refusal.answer)
 

@@ -81,7 +81,7 @@ def handle_inference(router: Router, door: FrontDoor, request: Request) -> Work 
     except StopIteration as parsed:
         req = parsed.value
     except Exception as exc:
-        return _refuse(door, exc)
+        return refuse(door, exc)
     else:  # the prompt waits for a thread: so does the request
         return _parse_then_route(router, door, request, t0, parsing, blocked)
     if router.warm_until:  # just started: the engines' KV-event replay is still coming in
@@ -89,13 +89,13 @@ def handle_inference(router: Router, door: FrontDoor, request: Request) -> Work 
     result = router.pick(req, _NONE)
     router.metrics.scheduling.observe(perf_counter() - t0)
     if result is None:
-        return _no_endpoint(door)
+        return no_endpoint(door)
     if result.prefill is None:
         e = result.primary
         link = router.link(e)
         conn = link.pool.take()
         if conn is not None:
-            source = _source(router, req, e, {e.name}) if router.peer_sources else None
+            source = peer_source(router, req, e, {e.name}) if router.peer_sources else None
             fw = _Fast(router, door, e, link, conn, True, Charge(router, req, e, source))
             fw.request, fw.req, fw.result = request, req, result
             door.task = fw
@@ -105,7 +105,7 @@ def handle_inference(router: Router, door: FrontDoor, request: Request) -> Work 
     return _route(router, door, request, req, set(), result)
 
 
-def _refuse(door: FrontDoor, exc: Exception) -> None:
+def refuse(door: FrontDoor, exc: Exception) -> None:
     """The answer to a request whose prompt could not be prepared."""
     if isinstance(exc, APIError):  # limits, untrusted templates: the client's error
         door.respond_error(exc.status, exc.message)
@@ -115,7 +115,7 @@ def _refuse(door: FrontDoor, exc: Exception) -> None:
         door.respond_error(400, f"Could not tokenize the request: {exc}")
 
 
-def _no_endpoint(door: FrontDoor) -> None:
+def no_endpoint(door: FrontDoor) -> None:
     door.respond_error(503, "No healthy endpoint could serve the request.", "Retry-After: 1\r\n")
 
 
@@ -148,7 +148,7 @@ async def _parse_then_route(
     try:
         req = await _resume(parsing, blocked)
     except Exception as exc:
-        return _refuse(door, exc)
+        return refuse(door, exc)
     await _route(router, door, request, req, set(), t0=t0)
 
 
@@ -183,15 +183,15 @@ async def _route(
         if result.prefill is not None:  # P/D: the decode endpoint gets its KV from prefill
             send = await prefill_remotely(router, request.path, send, req, result.prefill)
         else:
-            source = _source(router, req, endpoint, tried)
+            source = peer_source(router, req, endpoint, tried)
         result = None
         if await _forward(router, door, request, send, req, endpoint, source, fresh):
             return
         fresh = False
-    _no_endpoint(door)
+    no_endpoint(door)
 
 
-def _source(
+def peer_source(
     router: Router, req: SchedulingRequest, e: Endpoint, tried: set[str]
 ) -> PeerSource | None:
     """The peer e is told to pull the prefix it lacks from (llm-d's P2P header), if any."""
