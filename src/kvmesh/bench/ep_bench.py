@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import time
 from pathlib import Path
 
@@ -27,11 +26,13 @@ from kvmesh.engine.emulation.dp_group import DPGroup
 from kvmesh.engine.emulation.expert_load import PLACEMENTS, ExpertRouting
 from kvmesh.engine.emulation.instance_roofline import InstanceRoofline
 from kvmesh.engine.emulation.latency import ACCELERATORS, MODELS, SequenceWork
-from kvmesh.engine.emulation.wide_ep import (
-    ALL2ALL_BACKENDS,
-    TensorParallelRoofline,
-    WideEPRoofline,
+from kvmesh.engine.emulation.layouts import (  # noqa: F401 - LAYOUT_RE is this module's API too
+    LAYOUT_RE,
+    layout_name,
+    parse_layout,
 )
+from kvmesh.engine.emulation.layouts import build_roofline as layout_roofline
+from kvmesh.engine.emulation.wide_ep import ALL2ALL_BACKENDS
 
 EPILOG = """Measured per layout and concurrency C, over the window after the warm-up steps
 (virtual time; the first requests start mid-stream, so the window is near steady state):
@@ -47,7 +48,6 @@ Output: ep.json, ep.png and the table. llm-d's wide-EP guide reports ~2.2k outpu
 H200 at 2k in / 2k out and concurrency 2048; the last lines say how the model compares."""
 LLMD_TOK_S_PER_GPU = 2200.0  # llm-d wide-EP guide (v0.3 blog, quoted in vLLM's): per H200
 GUIDE_USERS = 2048  # the guide's concurrency (2k in / 2k out)
-LAYOUT_RE = re.compile(r"^(tp|dp)(\d+)$")
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -110,35 +110,18 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     a("--quick", action="store_true", help="Smoke-sized: C 1,16; 128 in / 32 out; 5+20 steps.")
 
 
-def parse_layout(text: str) -> tuple[str, int]:
-    match = LAYOUT_RE.match(text.strip().lower())
-    if not match or int(match.group(2)) < 1:
-        raise ValueError(f"a layout is tpN or dpN, got {text!r}")
-    return match.group(1), int(match.group(2))
-
-
-def layout_name(kind: str, n: int) -> str:
-    return f"TP{n}" if kind == "tp" else f"DP{n}/EP{n}"
-
-
 def build_roofline(kind: str, n: int, args: argparse.Namespace) -> InstanceRoofline:
-    gpu, model = ACCELERATORS[args.gpu], MODELS[args.model]
-    routing = ExpertRouting(args.expert_routing, args.zipf_s, args.seed)
-    common = {
-        "routing": routing,
-        "step_overhead": args.step_overhead_ms / 1e3,
-        "gpu_memory_utilization": args.gpu_memory_utilization,
-    }
-    if kind == "tp":
-        return TensorParallelRoofline(gpu, model, n, **common)
-    return WideEPRoofline(
-        gpu,
-        model,
+    return layout_roofline(
+        kind,
         n,
+        args.gpu,
+        args.model,
+        routing=ExpertRouting(args.expert_routing, args.zipf_s, args.seed),
+        step_overhead_ms=args.step_overhead_ms,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         placement=args.expert_placement_strategy,
         enable_dbo=args.enable_dbo,
         all2all_backend=args.all2all_backend,
-        **common,
     )
 
 

@@ -15,6 +15,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from kvmesh.sim.ablation_cli import add_cost_args
 from kvmesh.sim.agents import AgentConfig, ClosedLoop
 from kvmesh.sim.agents_report import knee, loop_ceiling, print_knee, print_loop_row, summarize_loop
 from kvmesh.sim.fleet import FleetSim, FleetSimConfig
@@ -63,6 +64,7 @@ def add_agent_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Skip the hit-rate ceiling (its hashing costs a few seconds per million blocks).",
     )
+    add_cost_args(g)
 
 
 def agent_config(args: argparse.Namespace, agents: int | None = None) -> AgentConfig:
@@ -94,6 +96,8 @@ def run_agents(
     summary["sim_wall_s"] = round(wall, 1)
     summary["wall_s_per_sim_min"] = round(wall / (agents.duration / 60), 1)
     summary["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    if config.layout:  # "engines" counts endpoints (ranks); GPU busy is each GPU's share
+        summary.update(layout=config.layout, instances=config.engines, gpus=config.num_gpus)
     return name, summary
 
 
@@ -103,9 +107,20 @@ def main(args: argparse.Namespace, config: FleetSimConfig, specs: list[str]) -> 
     except ValueError as exc:
         print(f"kvmesh sim: {exc}", file=sys.stderr)
         return 2
+    if getattr(args, "ablation", False):
+        if len(args.agents) > 1:
+            print("kvmesh sim: --ablation takes one --agents count", file=sys.stderr)
+            return 2
+        from kvmesh.sim import ablation_cli
+
+        try:
+            return ablation_cli.main(args, config, specs, agents)
+        except ValueError as exc:
+            print(f"kvmesh sim: {exc}", file=sys.stderr)
+            return 2
     if len(args.agents) > 1:
         return sweep(args, config, specs)
-    print(f"{agents.agents} agents for {agents.duration:g} simulated s, {config.engines} engines")
+    print(f"{agents.agents} agents for {agents.duration:g} simulated s, {config.describe()}")
     results: dict = {"agents": agents.agents, "duration_s": agents.duration, "policies": {}}
     for spec in specs:
         name, summary = run_agents(config, spec, agents, not args.no_ceiling)
@@ -123,12 +138,13 @@ def sweep(args: argparse.Namespace, config: FleetSimConfig, specs: list[str]) ->
     counts = args.agents
     print(
         f"{','.join(map(str, counts))} agents for {args.duration:g} simulated s, "
-        f"{config.engines} engines"
+        f"{config.describe()}"
     )
     results: dict = {
         "agents": counts,
         "duration_s": args.duration,
         "engines": config.engines,
+        **({"layout": config.layout, "gpus": config.num_gpus} if config.layout else {}),
         "policies": {},
     }
     for spec in specs:

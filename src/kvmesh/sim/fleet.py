@@ -3,11 +3,14 @@
 Each engine is the engine core of `kvmesh serve --emulate` (scheduler, block pool, prefix cache,
 tiers, KV events) around an EmulatedRunner, stepped on a virtual clock instead of the event
 loop: a step that the roofline model says lasts 12 ms ends 12 virtual ms after it began, and
-nothing waits for it. The router is the real scheduling pipeline over `Endpoint` states kept
-as the HTTP router keeps them: queue gauges from a scrape every `scrape_interval`, in-flight
-counts, prefill backlog and the approximate index from the forward bookkeeping the HTTP router
-calls too (router.forward_load), and the precise index from the engines' KV events (delivered when
-the step that made them ends). Router and engines share one hashing of each prompt's blocks
+nothing waits for it. With a layout (`dp16`, `tp8`) the fleet is instances of an MoE model, each
+a lockstep group of one engine core per DP rank, with an endpoint per rank (sim.instances).
+
+The router is the real scheduling pipeline over `Endpoint` states kept as the HTTP router keeps
+them: queue gauges from a scrape every `scrape_interval`, in-flight counts, prefill backlog and
+the approximate index from the forward bookkeeping the HTTP router calls too
+(router.forward_load), and the precise index from the engines' KV events (delivered when the step
+that made them ends). Router and engines share one hashing of each prompt's blocks
 (sim.digests), and the engines skip the metrics, step log and output text no one here reads
 (sim.quiet): the same decisions and the same virtual times, in less wall time.
 
@@ -25,73 +28,21 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
 from kvmesh.engine.config import EngineConfig
-from kvmesh.engine.core import EngineCore
-from kvmesh.engine.emulation.builder import EmulationConfig, build_emulated_engine
+from kvmesh.engine.emulation.builder import EmulationConfig
 from kvmesh.engine.sequence import Request as EngineRequest
 from kvmesh.engine.sequence import SamplingParams
 from kvmesh.protocol.hashing import BlockHasher
 from kvmesh.protocol.kv_events import KVEventBatch
 from kvmesh.router import forward_load
-from kvmesh.router.endpoints import Endpoint
 from kvmesh.router.index import ApproximateIndex, PreciseIndex
 from kvmesh.router.pipeline import Pipeline
 from kvmesh.router.plugins import SchedulingRequest
 from kvmesh.sim.digests import PromptDigests
-from kvmesh.sim.quiet import no_text, quieten
+from kvmesh.sim.instances import SimEngine, Unit, build_units, describe, fleet_size, gpus_per_engine
+from kvmesh.sim.quiet import no_text
+from kvmesh.sim.records import SimRecord, SimRequest  # noqa: F401 - this module's API too
 
 NULL_EVENTS = json.dumps({"enable_kv_cache_events": True, "publisher": "null"})
-
-
-@dataclass(slots=True)
-class SimRequest:
-    """One request of the replay: its arrival (virtual s), prompt and output length. The prompt
-    is runs of consecutive token ids, (first id, count), so that a trace of 12k requests of 12k
-    tokens holds kilobytes until a request arrives, not gigabytes."""
-
-    rid: int
-    at: float
-    prompt: tuple[tuple[int, int], ...]
-    max_tokens: int
-    session: str = ""  # x-session-id
-    deps: tuple[int, ...] = ()  # rids that must finish first (a session's previous turn)
-    delay: float = 0.0  # think / tool time after the deps finish, virtual s
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.prompt)
-
-    def token_ids(self) -> list[int]:
-        return [*itertools.chain.from_iterable(range(first, first + n) for first, n in self.prompt)]
-
-
-@dataclass(slots=True)
-class SimRecord:
-    """How one request went: where it ran, what hit, when its tokens came (virtual s)."""
-
-    rid: int
-    engine: int
-    arrival: float
-    prompt_tokens: int
-    cached_tokens: int = 0
-    first_token: float | None = None
-    finished: float | None = None
-    output_tokens: int = 0
-    best_known_tokens: int = 0  # the longest prefix the router knew on any engine at arrival
-    chosen_known_tokens: int = 0  # ... and on the engine it chose
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token is None else self.first_token - self.arrival
-
-
-@dataclass(slots=True)
-class _Engine:
-    core: EngineCore
-    endpoint: Endpoint
-    busy: bool = False  # a step is in flight (its end is on the event heap)
-    events: list = field(default_factory=list)  # KV events of the step in flight
-    busy_s: float = 0.0  # virtual seconds spent stepping (steps started so far)
-    busy_until: float = 0.0  # when the last step started ends
 
 
 class _Policy:
@@ -104,7 +55,10 @@ class _Policy:
 
 @dataclass(slots=True)
 class FleetSimConfig:
-    engines: int = 4
+    engines: int = 4  # dense engines, or with a layout its instances
+    # "": dense engines; "dpN": DPN/EPN wide-EP instances of an MoE model; "tpN": TPN replicas
+    layout: str = ""
+    gpus: int = 0  # 0: `engines` engines or instances; else the fleet's GPUs, which set `engines`
     scrape_interval: float = 0.1  # virtual seconds between the router's metric scrapes
     index_capacity: int = 8_000_000
     approx_capacity_per_endpoint: int = 31_250
@@ -114,6 +68,18 @@ class FleetSimConfig:
     measure_known: bool = True
     engine: EngineConfig = field(default_factory=EngineConfig)
     emulation: EmulationConfig = field(default_factory=EmulationConfig)
+
+    def __post_init__(self) -> None:
+        self.layout = self.layout.strip().lower()
+        self.engines = fleet_size(self.engines, self.gpus, self.layout, self.emulation)
+
+    @property
+    def num_gpus(self) -> int:
+        return self.engines * gpus_per_engine(self.layout, self.emulation)
+
+    def describe(self) -> str:
+        """'4 engines', or '34 DP16/EP16 instances (544 GPUs)'."""
+        return describe(self.engines, self.layout, self.num_gpus)
 
 
 class FleetSim:
@@ -139,13 +105,12 @@ class FleetSim:
         self.digests = PromptDigests(
             BlockHasher(engine_config.prefix_caching_hash_algo, self.block_size)
         )
-        self.engines: list[_Engine] = []
-        for i in range(config.engines):
-            bundle = build_emulated_engine(engine_config, config.emulation, tokenizer)
-            e = _Engine(bundle.engine.core, Endpoint(f"http://engine-{i}", name=f"engine-{i}"))
-            e.core.publish_events = e.events.extend
-            quieten(e.core)
-            self.engines.append(e)
+        self.units: list[Unit] = build_units(
+            config.engines, config.layout, engine_config, config.emulation, tokenizer
+        )
+        # one per endpoint: the dense engines, or every rank of every instance
+        self.engines: list[SimEngine] = [e for u in self.units for e in u.engines]
+        self.endpoints = [e.endpoint for e in self.engines]
         self._engine_of = {id(e.endpoint): i for i, e in enumerate(self.engines)}
         self.now = 0.0
         self._heap: list = []
@@ -197,7 +162,7 @@ class FleetSim:
         """Handle the earliest event; the number of requests that finished in it."""
         self.now, _, kind, payload = heapq.heappop(self._heap)
         if kind == "arrive":
-            self._arrive(payload)
+            return self._arrive(payload)
         elif kind == "step":
             return self._step_done(payload)
         else:
@@ -211,12 +176,12 @@ class FleetSim:
             e.endpoint.waiting, e.endpoint.running = s.num_waiting, s.num_running
             e.endpoint.kv_usage = e.core.kv.usage
 
-    def _arrive(self, r: SimRequest) -> None:
+    def _arrive(self, r: SimRequest) -> int:
         headers = {"x-session-id": r.session} if r.session else {}
         token_ids = r.token_ids()
         digests, keys = self.digests.digests(r.prompt, token_ids)
         req = SchedulingRequest(str(r.rid), None, token_ids, list(keys), headers, self.block_size)
-        endpoints = [e.endpoint for e in self.engines]
+        endpoints = list(self.endpoints)  # the pipeline may keep the list it was given
         result = self.pipeline.schedule(req, endpoints)
         chosen = result.primary or self.engines[0].endpoint
         i = self._engine_of[id(chosen)]
@@ -234,40 +199,43 @@ class FleetSim:
             rec.best_known_tokens = max(n - known.uncached_tokens(name) for name in names)
             rec.chosen_known_tokens = n - known.uncached_tokens(chosen.name)
         self._loads[req.request_id] = forward_load.sent(chosen, req, self.state.approximate_index)
+        if r.max_tokens > e.core.runner.max_model_len - n:  # the engine's 400: past its context
+            rec.refused = True
+            return self._finish(rec, req.request_id)
         sampling = SamplingParams(max_tokens=r.max_tokens, ignore_eos=True)
         request = EngineRequest(req.request_id, token_ids, sampling)
         if e.core.kv.enable_caching:  # the engine hashes only the blocks after these
             request.block_hashes = list(digests)
-        e.core.add_request(request)
+        unit = self.units[e.unit]
+        unit.add_request(e, request)
         no_text(e.core, req.request_id)
-        if not e.busy:
-            self._start_step(i)
+        if not unit.busy:
+            self._start_step(e.unit)
+        return 0
 
-    def _start_step(self, i: int) -> None:
-        e = self.engines[i]
-        runner = e.core.runner
-        runner.clock = max(runner.clock, self.now)  # idle time passes on the engine's clock
-        before = runner.clock
-        outputs = e.core.step()
-        dt = runner.clock - before
+    def _start_step(self, u: int) -> None:
+        unit = self.units[u]
+        dt, outputs = unit.step(self.now)
         if dt <= 0 and not outputs:
-            e.busy = False  # nothing could run: the next arrival wakes it
-            self._deliver(e)
+            unit.busy = False  # nothing could run: the next arrival wakes it
+            self._deliver(unit)
             return
-        e.busy = True
-        e.busy_s += dt
-        e.busy_until = self.now + dt
-        self._push(self.now + dt, "step", (i, outputs))
+        unit.busy = True
+        for e in unit.engines:  # a step occupies every GPU of the unit
+            e.busy_s += dt
+            e.busy_until = self.now + dt
+        self._push(self.now + dt, "step", (u, outputs))
 
-    def _deliver(self, e: _Engine) -> None:
-        if e.events:
-            self.state.precise_index.apply(e.endpoint.name, KVEventBatch(self.now, e.events))
-            e.events.clear()
+    def _deliver(self, unit: Unit) -> None:
+        for e in unit.engines:
+            if e.events:
+                self.state.precise_index.apply(e.endpoint.name, KVEventBatch(self.now, e.events))
+                e.events.clear()
 
     def _step_done(self, payload) -> int:
-        i, outputs = payload
-        e = self.engines[i]
-        self._deliver(e)
+        u, outputs = payload
+        unit = self.units[u]
+        self._deliver(unit)
         finished = 0
         for out in outputs:
             rec = self.records[out.request_id]
@@ -277,18 +245,22 @@ class FleetSim:
                 forward_load.prefilled(self._loads[out.request_id])
             rec.output_tokens = out.num_output_tokens
             if out.finished:
-                rec.finished = self.now
-                forward_load.finished(self._loads.pop(out.request_id))
-                finished += 1
-                for nxt in self._dependents.pop(rec.rid, ()):
-                    self._deps_left[nxt.rid] -= 1
-                    if not self._deps_left[nxt.rid]:
-                        del self._deps_left[nxt.rid]
-                        self._push(self.now + nxt.delay, "arrive", nxt)
-                if self.on_finish is not None:
-                    self.on_finish(rec)
-        if e.core.has_work():
-            self._start_step(i)
+                finished += self._finish(rec, out.request_id)
+        if unit.has_work():
+            self._start_step(u)
         else:
-            e.busy = False
+            unit.busy = False
         return finished
+
+    def _finish(self, rec: SimRecord, request_id: str) -> int:
+        """`rec` ended now: its forward's load is released and the turns after it may come."""
+        rec.finished = self.now
+        forward_load.finished(self._loads.pop(request_id))
+        for nxt in self._dependents.pop(rec.rid, ()):
+            self._deps_left[nxt.rid] -= 1
+            if not self._deps_left[nxt.rid]:
+                del self._deps_left[nxt.rid]
+                self._push(self.now + nxt.delay, "arrive", nxt)
+        if self.on_finish is not None:
+            self.on_finish(rec)
+        return 1

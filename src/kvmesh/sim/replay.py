@@ -11,13 +11,15 @@ measures over HTTP, in a fraction of its time.
   kvmesh sim --workload agentic --engines 8 --sessions 32 --repos 16 --repo-tokens 6000 \\
       --tool-tokens 1200 --turns 12 --session-rate 0.8 --policies round-robin,kvmesh
   kvmesh sim --workload agentic --agents 400 --duration 60 --engines 32 --policies kvmesh
+  kvmesh sim --workload agentic --agents 3000 --duration 600 --layout dp32 --gpus 544 \\
+      --emulate-gpu h100 --speculative-config '{"method": "mtp", "num_speculative_tokens": 3}'
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shlex
+import logging
 import sys
 import time
 from pathlib import Path
@@ -27,6 +29,7 @@ from kvmesh.protocol.stats import percentile
 from kvmesh.sim import agents_cli
 from kvmesh.sim.agents_cli import add_agent_args
 from kvmesh.sim.fleet import FleetSim, FleetSimConfig, SimRecord
+from kvmesh.sim.fleet_args import add_fleet_args, engine_flags, fleet_config
 from kvmesh.sim.requests import (  # noqa: F401 - trace_requests is this module's API too
     hit_ceiling,
     load_requests,
@@ -47,6 +50,7 @@ def summarize(records: list[SimRecord], engines: int) -> dict:
     return {
         "requests": len(records),
         "unfinished": sum(r.finished is None for r in records),
+        "refused": sum(r.refused for r in records),  # past the engine's context: its 400
         "hit_rate": round(sum(r.cached_tokens for r in done) / prompt, 4) if prompt else 0.0,
         **{f"ttft_ms_p{q}": round(percentile(ttft, q), 1) for q in (50, 90, 99)},
         "ttft_ms_mean": round(sum(ttft) / len(ttft), 1) if ttft else 0.0,
@@ -73,7 +77,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--trace", default=DEFAULT_TRACE, help=f"Mooncake-format JSONL trace [{DEFAULT_TRACE}]."
     )
-    p.add_argument("--engines", type=int, default=4, help="Emulated engines [default: 4].")
+    p.add_argument(
+        "--engines",
+        type=int,
+        default=4,
+        help="Emulated engines, or with --layout instances [default: 4].",
+    )
+    add_fleet_args(p.add_argument_group("fleet of MoE instances, emulated model and GPU"))
     p.add_argument(
         "--policies",
         default="round-robin,kvmesh",
@@ -110,23 +120,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_agent_args(p)
 
 
-def _configs(serve_args: str, engines: int, scrape: float, seed: int = 0) -> FleetSimConfig:
-    from kvmesh.cli import build_parser
-    from kvmesh.commands.flags import config_from_args
-    from kvmesh.engine.config import EngineConfig
-    from kvmesh.engine.emulation.builder import EmulationConfig
-
-    # xxhash unless asked otherwise: the routing is the same, the replay much faster
-    argv = ["serve", "--emulate", "--prefix-caching-hash-algo", "xxhash", *shlex.split(serve_args)]
-    args = build_parser().parse_args(argv)
-    args.model = None if args.model == "default" else args.model
-    return FleetSimConfig(
-        engines=engines,
-        scrape_interval=scrape,
-        seed=seed,
-        engine=config_from_args(EngineConfig, args),
-        emulation=config_from_args(EmulationConfig, args),
-    )
+def _configs(
+    serve_args: str,
+    engines: int,
+    scrape: float,
+    seed: int = 0,
+    layout: str = "",
+    gpus: int = 0,
+    engine_flags: tuple[str, ...] = (),
+) -> FleetSimConfig:
+    return fleet_config(serve_args, engines, scrape, seed, layout, gpus, engine_flags)
 
 
 def run_policy(
@@ -151,7 +154,7 @@ def run_policy(
         total=len(requests), desc=name, unit="req", leave=False, mininterval=5, disable=not show
     ) as bar:
         records = sim.run(requests, lambda n: bar.update(n - bar.n))
-    summary = summarize(records, config.engines)
+    summary = summarize(records, len(sim.engines))
     summary["sim_wall_s"] = round(time.perf_counter() - t0, 1)
     return name, summary, records
 
@@ -168,10 +171,26 @@ def _print_row(name: str, s: dict) -> None:
 
 def main(args: argparse.Namespace) -> int:
     try:
-        config = _configs(args.serve_args, args.engines, args.scrape_interval, args.seed)
-    except (ValueError, SystemExit) as exc:
+        config = _configs(
+            args.serve_args,
+            args.engines,
+            args.scrape_interval,
+            args.seed,
+            args.layout,
+            args.gpus,
+            engine_flags(args),
+        )
+    except SystemExit as exc:
         print(f"kvmesh sim: bad --serve-args: {exc}", file=sys.stderr)
         return 2
+    except ValueError as exc:
+        print(f"kvmesh sim: {exc}", file=sys.stderr)
+        return 2
+    # every emulated engine (hundreds of ranks) would log the same build lines: once is the
+    # fleet's description; --log-level debug keeps them
+    builder = logging.getLogger("kvmesh.engine.builder")
+    if not builder.isEnabledFor(logging.DEBUG):
+        builder.setLevel(logging.WARNING)
     specs = [p for p in args.policies.split(",") if p]
     for spec in specs:
         if spec.endswith((".yaml", ".yml")) and not Path(spec).is_file():
@@ -182,6 +201,9 @@ def main(args: argparse.Namespace) -> int:
             print("kvmesh sim: --agents needs --workload agentic", file=sys.stderr)
             return 2
         return agents_cli.main(args, config, specs)
+    if args.ablation:
+        print("kvmesh sim: --ablation runs the closed loop: give --agents N", file=sys.stderr)
+        return 2
     if args.workload == "trace":
         if not Path(args.trace).is_file():
             print(f"kvmesh sim: no such trace {args.trace}", file=sys.stderr)
@@ -194,7 +216,7 @@ def main(args: argparse.Namespace) -> int:
     requests = load_requests(source)
     ceiling = hit_ceiling(requests, config.engine.block_size)
     del requests
-    print(f"{what}, {args.engines} engines; hit-rate ceiling {ceiling:.3f}")
+    print(f"{what}, {config.describe()}; hit-rate ceiling {ceiling:.3f}")
     results: dict = {"ceiling": round(ceiling, 4), "policies": {}}
     runs: dict[str, list[SimRecord]] = {}
     if args.jobs > 1 and len(specs) > 1:

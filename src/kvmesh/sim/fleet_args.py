@@ -1,0 +1,104 @@
+"""The fleet of a `kvmesh sim` run from its flags: dense engines or MoE instances (--layout,
+--gpus), the emulated model and GPU, and the engine flags of `kvmesh serve` (--serve-args, and the
+few given as `kvmesh sim` flags, which win over them)."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+
+from kvmesh.sim.fleet import FleetSimConfig
+from kvmesh.sim.instances import instance_roofline
+
+LAYOUT_MODEL = "glm-5.2-moe"  # the emulated model of --layout unless one is named
+ENGINE_FLAGS = ("emulate_model", "emulate_gpu", "speculative_config")  # serve flags on `sim`
+
+
+def fleet_config(
+    serve_args: str,
+    engines: int,
+    scrape: float,
+    seed: int = 0,
+    layout: str = "",
+    gpus: int = 0,
+    engine_flags: tuple[str, ...] = (),
+) -> FleetSimConfig:
+    """The fleet of --serve-args (and `engine_flags`, serve flags that win over them); with a
+    layout the emulated model defaults to glm-5.2-moe. Raises ValueError for a layout that does
+    not fit the model, or GPUs that do not divide into instances."""
+    from kvmesh.cli import build_parser
+    from kvmesh.commands.flags import config_from_args
+    from kvmesh.engine.config import EngineConfig
+    from kvmesh.engine.emulation.builder import EmulationConfig
+
+    # xxhash unless asked otherwise: the routing is the same, the replay much faster
+    argv = ["serve", "--emulate", "--prefix-caching-hash-algo", "xxhash", *shlex.split(serve_args)]
+    named = any(a.split("=")[0] == "--emulate-model" for a in [*argv, *engine_flags])
+    if layout and not named:
+        argv += ["--emulate-model", LAYOUT_MODEL]
+    args = build_parser().parse_args([*argv, *engine_flags])
+    args.model = None if args.model == "default" else args.model
+    config = FleetSimConfig(
+        engines=engines,
+        scrape_interval=scrape,
+        seed=seed,
+        layout=layout,
+        gpus=gpus,
+        engine=config_from_args(EngineConfig, args),
+        emulation=config_from_args(EmulationConfig, args),
+    )
+    if config.layout:  # refuse a model that does not fit the layout before any run
+        instance_roofline(config.layout, config.emulation, config.engine.expert_placement_strategy)
+    return config
+
+
+def add_fleet_args(g) -> None:
+    g.add_argument(
+        "--layout",
+        default="",
+        help="Serve an MoE --emulate-model as instances of this layout instead of dense "
+        "engines: dpN = DPN/EPN wide EP (N GPUs, each a data-parallel rank with its own "
+        "scheduler and KV cache; the experts spread over the N; the ranks step in lockstep, "
+        "each step priced by the wide-EP roofline of `kvmesh bench ep`), tpN = TPN replicas "
+        "(one rank over N GPUs). The router sees one endpoint per rank, <instance>#dp<rank>, "
+        "as for a vLLM DP server, and a request runs on the rank it picks. --serve-args "
+        "apply to every rank (--kv-offloading-size: host DRAM per rank). Empty: dense "
+        "engines [default: dense].",
+    )
+    g.add_argument(
+        "--gpus",
+        type=int,
+        default=0,
+        help="GPUs of the fleet: with --layout dpN or tpN, GPUs / N instances (N must divide "
+        "it); dense, GPUs / --tensor-parallel-size engines. 0: --engines [default: 0].",
+    )
+    g.add_argument(
+        "--emulate-model",
+        default=None,
+        help="As `kvmesh serve --emulate-model` (wins over --serve-args) [default: "
+        f"llama-3.1-8b; with --layout {LAYOUT_MODEL}].",
+    )
+    g.add_argument(
+        "--emulate-gpu",
+        default=None,
+        help="As `kvmesh serve --emulate-gpu`: h100, h200, a100 (wins over --serve-args) "
+        "[default: h100].",
+    )
+    g.add_argument(
+        "--speculative-config",
+        default=None,
+        help="As `kvmesh serve --speculative-config`, e.g. MTP with 3 drafts: "
+        '\'{"method": "mtp", "num_speculative_tokens": 3}\'. The emulated drafts are accepted '
+        "at the conditional rates per draft position of --emulate-spec-acceptance (in "
+        "--serve-args; default 0.8,0.7,0.6: 2.70 tokens per step with 3) [default: off].",
+    )
+
+
+def engine_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """The serve flags given as `kvmesh sim` flags."""
+    out: list[str] = []
+    for name in ENGINE_FLAGS:
+        value = getattr(args, name, None)
+        if value is not None:
+            out += ["--" + name.replace("_", "-"), value]
+    return tuple(out)
