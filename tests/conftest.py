@@ -23,6 +23,34 @@ def smollm2():
     return load_model(None, device="cpu", dtype=torch.float32)
 
 
+@pytest.fixture(scope="session")
+def hf_smollm2():
+    """HF transformers' SmolLM2 from the embedded GGUF (HF dequantises it independently of our
+    loader): the reference of test_engine_hf and test_model_hf, read once for both."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from kvmesh.engine.tokenizer import default_gguf_path
+
+    # SmolLM2's published shape, given here so HF reads the big GGUF once (weights only)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    )
+    path = default_gguf_path()
+    return AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, config=config, dtype=torch.float32
+    ).eval()
+
+
 @contextlib.contextmanager
 def engine_server(loaded, **config_kw):
     """Run a real engine server (HTTP on loopback) on its own event-loop thread."""

@@ -68,10 +68,11 @@ def loop_thread(start: Callable[[], Awaitable[T]], stop: Callable[[T], Awaitable
         thread.join(timeout=10)
 
 
-def run_quick_bench(command: str, out, result_file: str) -> dict:
-    """`kvmesh bench COMMAND --quick --out OUT` in a subprocess; its JSON result."""
+def run_quick_bench(command: str, out, result_file: str, *flags: str) -> dict:
+    """`kvmesh bench COMMAND --quick --out OUT [FLAGS]` in a subprocess; its JSON result."""
+    cmd = [sys.executable, "-m", "kvmesh.cli", "bench", command, "--quick", "--out", str(out)]
     proc = subprocess.run(
-        [sys.executable, "-m", "kvmesh.cli", "bench", command, "--quick", "--out", str(out)],
+        [*cmd, *flags],
         capture_output=True,
         text=True,
         timeout=600,

@@ -1,4 +1,5 @@
-"""`kvmesh bench emulation --quick` end to end: emulated engines in a subprocess, this client."""
+"""`kvmesh bench emulation` end to end at --quick's sizes with 1 s phases: emulated engines in
+a subprocess, this client."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import math
 from pathlib import Path
 
+from kvmesh.bench import emulation_bench
 from kvmesh.bench.emulation_bench import add_args, main, token_event
 
 
@@ -26,15 +28,33 @@ def test_help_explains_what_is_measured() -> None:
         assert word in text
 
 
+def test_quick_sizes_the_run_for_ci(monkeypatch, tmp_path: Path) -> None:
+    """--quick: heavy 2 engines x 2 streams, light 1 x 1, 3 s a phase (the run below gives
+    these sizes as flags, with 1 s phases)."""
+    sizes = []
+
+    def no_engines(args, count, streams, scale=1.0):
+        sizes.append((args.engines, args.streams, args.light_engines, args.light_streams))
+        sizes.append(args.duration)
+        raise RuntimeError("no engines in this test")
+
+    monkeypatch.setattr(emulation_bench, "start_engines", no_engines)
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    assert main(parser.parse_args(["--quick", "--out", str(tmp_path)])) == 1
+    assert sizes == [(2, 2, 1, 1), 3.0]
+
+
 def test_quick_run_reports_ratios_for_both_loads(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     add_args(parser)
-    args = ["--quick", "--time-scale", "3", "--out", str(tmp_path)]
+    args = ["--engines", "2", "--streams", "2", "--light-engines", "1", "--light-streams", "1"]
+    args += ["--duration", "1", "--time-scale", "2", "--out", str(tmp_path)]
     assert main(parser.parse_args(args)) == 0
     result = json.loads((tmp_path / "emulation.json").read_text())
     assert (tmp_path / "emulation.png").stat().st_size > 0
-    assert set(result["ratios"]) == {"light", "heavy", "heavy x3"}
-    assert result["phases"]["heavy x3"]["time_scale"] == 3.0
+    assert set(result["ratios"]) == {"light", "heavy", "heavy x2"}
+    assert result["phases"]["heavy x2"]["time_scale"] == 2.0
     for name, ratios in result["ratios"].items():
         for key in ("ttft", "itl"):
             assert math.isfinite(ratios[key]) and ratios[key] > 0, (name, key, ratios)

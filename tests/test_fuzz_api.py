@@ -5,6 +5,8 @@ request bodies. Only 4xx for bad input, OpenAI-shaped error bodies, and both ser
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import socket
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests import test_router_e2e
 from tests.helpers import http
 from tests.test_router_e2e import stack
 
@@ -101,10 +104,24 @@ def assert_healthy(*urls: str) -> None:
         assert http(url + "/health")[0] == 200, f"{url} stopped answering"
 
 
+CONTEXT = 1024  # tokens: see fleet
+
+
 @pytest.fixture(scope="module")
 def fleet(tokenizer):
-    with stack(tokenizer, n=1, emulate_ttft_ms=1.0, emulate_itl_ms=0.1) as (url, router, *_):
-        yield url, router.config.endpoints[0]
+    """A router in front of one emulated engine whose context is CONTEXT tokens, not the stack's
+    32,768: a random chat body without max_tokens generates to the end of the context, which took
+    ~3 s a body there (most of this module's time). Such bodies still take that default path."""
+    with contextlib.ExitStack() as running:
+        with pytest.MonkeyPatch.context() as mp:  # only while the stack builds its engines
+            short = functools.partial(test_router_e2e.EngineConfig, max_model_len=CONTEXT)
+            mp.setattr(test_router_e2e, "EngineConfig", short)
+            started = stack(tokenizer, n=1, emulate_ttft_ms=1.0, emulate_itl_ms=0.1)
+            url, router, *_ = running.enter_context(started)
+        engine = router.config.endpoints[0]
+        models = json.loads(http(engine + "/v1/models")[2])
+        assert models["data"][0]["max_model_len"] == CONTEXT  # the short context took effect
+        yield url, engine
 
 
 def engine_url(fleet) -> str:

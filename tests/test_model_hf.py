@@ -145,35 +145,12 @@ def _tiny_case(arch: str, tmp_path_factory, tokenizer) -> Case:
     return Case(load_model(str(path)), hf)
 
 
-@pytest.fixture(scope="module")
-def hf_smollm2():
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    # SmolLM2's published shape, given here so HF reads the big GGUF once (weights only)
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        rms_norm_eps=1e-5,
-        rope_theta=100000.0,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-    )
-    path = default_gguf_path()
-    return AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, config=config, dtype=torch.float32
-    ).eval()
-
-
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "smollm2"])
 def case(request, tmp_path_factory, smol_tokenizer) -> Case:
     if request.param == "smollm2":
         loaded = request.getfixturevalue("smollm2")  # the shared session fixture
         torch.set_num_threads(1)  # that fixture sets its own count; see one_thread
-        return Case(loaded, request.getfixturevalue("hf_smollm2"))
+        return Case(loaded, request.getfixturevalue("hf_smollm2"))  # conftest: shared
     return _tiny_case(request.param, tmp_path_factory, smol_tokenizer)
 
 

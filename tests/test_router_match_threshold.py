@@ -38,13 +38,13 @@ def test_short_shared_match_is_not_followed() -> None:
     a, b, c = (e.name for e in eps)
     shared = Index({a: 3, b: 3})  # 3 of 10 blocks: a system prompt every session shares
     req = request(shared, eps)
-    assert PrecisePrefixScorer("p", 0.5).score(req, eps) == {a: 0.0, b: 0.0, c: 0.0}
-    assert ApproxPrefixScorer("x", 0.5).score(req, eps) == {a: 0.0, b: 0.0, c: 0.0}
+    assert PrecisePrefixScorer("p", 0.5).score(req, eps) == [0.0, 0.0, 0.0]
+    assert ApproxPrefixScorer("x", 0.5).score(req, eps) == [0.0, 0.0, 0.0]
     assert req.state.best_fraction() == 0.3
     lru = NoHitLRUScorer("n", threshold=0.5)
-    assert lru.cold(req) and set(lru.score(req, eps).values()) == {1.0, 0.5, 0.0}
+    assert lru.cold(req) and set(lru.score(req, eps)) == {1.0, 0.5, 0.0}
     # without a threshold the same request is warm and its holders score by fraction
-    assert PrecisePrefixScorer("p").score(req, eps) == {a: 0.3, b: 0.3, c: 0.0}
+    assert PrecisePrefixScorer("p").score(req, eps) == [0.3, 0.3, 0.0]  # a, b, c
     assert not NoHitLRUScorer("n").cold(req)
 
 
@@ -53,6 +53,6 @@ def test_long_match_is_followed() -> None:
     a, b, c = (e.name for e in eps)
     req = request(Index({a: 8, b: 3}), eps)
     scores = PrecisePrefixScorer("p", 0.5).score(req, eps)
-    assert scores == {a: 0.8, b: 0.3, c: 0.0}
+    assert scores == [0.8, 0.3, 0.0]  # a, b, c
     lru = NoHitLRUScorer("n", threshold=0.5)
-    assert not lru.cold(req) and set(lru.score(req, eps).values()) == {0.5}
+    assert not lru.cold(req) and set(lru.score(req, eps)) == {0.5}

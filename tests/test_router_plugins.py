@@ -54,10 +54,16 @@ def with_state(r: SchedulingRequest, endpoints, ctx) -> SchedulingRequest:
     return r
 
 
+def by_name(endpoints, scores) -> dict[str, float]:
+    """A scorer's list (one score per endpoint, in order) keyed by endpoint name."""
+    assert len(scores) == len(endpoints)
+    return {e.name: s for e, s in zip(endpoints, scores, strict=True)}
+
+
 def score(type_name: str, endpoints, r=None, ctx=None, params=None):
     ctx = ctx or Indexes()
     plugin = build_plugin(type_name, type_name, params or {}, ctx)
-    return plugin.score(with_state(r or req(), endpoints, ctx), endpoints)
+    return by_name(endpoints, plugin.score(with_state(r or req(), endpoints, ctx), endpoints))
 
 
 def test_queue_scorer_min_max_normalised():
@@ -134,9 +140,9 @@ def test_session_affinity_binds_after_choice():
     plugin = build_plugin("session-affinity-scorer", "s", {}, Indexes())
     e = eps(a=(0, 0, 0), b=(0, 0, 0))
     r = req(headers={"x-session-id": "agent-7"})
-    assert plugin.score(r, e) == {"a": 0.0, "b": 0.0}
+    assert by_name(e, plugin.score(r, e)) == {"a": 0.0, "b": 0.0}
     plugin.chosen(r, e[1])
-    assert plugin.score(r, e) == {"a": 0.0, "b": 1.0}
+    assert by_name(e, plugin.score(r, e)) == {"a": 0.0, "b": 1.0}
 
 
 def test_no_hit_lru_spreads_cold_requests_and_is_neutral_when_warm():
@@ -145,9 +151,9 @@ def test_no_hit_lru_spreads_cold_requests_and_is_neutral_when_warm():
     cold = with_state(req(), e, Indexes())
     plugin.chosen(cold, e[0])
     plugin.chosen(cold, e[1])
-    assert plugin.score(cold, e) == {"c": 1.0, "a": 0.5, "b": 0.0}
+    assert by_name(e, plugin.score(cold, e)) == {"c": 1.0, "a": 0.5, "b": 0.0}
     warm = with_state(req(), e, Indexes(precise={"a": 1.0}))
-    assert plugin.score(warm, e) == {"a": 0.5, "b": 0.5, "c": 0.5}
+    assert by_name(e, plugin.score(warm, e)) == {"a": 0.5, "b": 0.5, "c": 0.5}
 
 
 def test_filters():

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvmesh.sim.ablation import NOT_SIMULATED, prefill_share, variants, without_flag
+from kvmesh.sim.ablation import PD_ROUND_ROBIN, prefill_share, variants, without_flag
 from kvmesh.sim.ablation_cli import gpu_price
 
 MTP = '{"method": "mtp", "num_speculative_tokens": 3}'
@@ -42,7 +42,18 @@ def test_full_stack_then_each_technique_off_in_turn() -> None:
     assert by_off["wide EP"].serve_args == full.serve_args
     assert by_off["MTP"].engine_flags == () and by_off["MTP"].layout == "dp16"
     assert by_off["MTP"].serve_args == full.serve_args
-    assert by_off["peer sharing"].skipped == by_off["P/D"].skipped == NOT_SIMULATED
+    assert "--kv-peer-min-cached-token-delta" in by_off["peer sharing"].skipped
+    assert "--prefill-gpus" in by_off["P/D"].skipped
+    # with both in the full stack, each row turns its own off
+    rows = variants("pd", "", "dp16", (), prefill_gpus=64, peer_delta=2048)
+    by_off = {r.off: r for r in rows}
+    assert not any(by_off[t].skipped for t in ("precise routing", "peer sharing", "P/D"))
+    assert rows[0].prefill_gpus == 64 and rows[0].peer_delta == 2048
+    assert by_off["P/D"].prefill_gpus == 0 and by_off["P/D"].policy == "kvmesh"
+    assert by_off["P/D"].peer_delta == 2048
+    assert by_off["peer sharing"].peer_delta == 0 and by_off["peer sharing"].prefill_gpus == 64
+    assert by_off["precise routing"].policy == PD_ROUND_ROBIN
+    assert by_off["wide EP"].prefill_gpus == 64 and by_off["MTP"].prefill_gpus == 64
 
 
 def test_a_technique_the_full_stack_lacks_is_listed_not_run() -> None:

@@ -7,7 +7,8 @@ from tests.helpers import run_quick_bench
 
 
 def test_quick_tier_stall_bench(tmp_path):
-    data = run_quick_bench("tier-stall", tmp_path / "stall", "tier_stall.json")
+    # one torch thread: a second one waiting for a busy core stalls every decode step
+    data = run_quick_bench("tier-stall", tmp_path / "stall", "tier_stall.json", "--threads", "1")
     full = (400 - 1) // 16 * 16
     modes = {t["mode"]: t for t in data["trials"]}
     assert set(modes) == {"sync", "async", "device"}

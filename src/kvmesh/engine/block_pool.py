@@ -46,6 +46,24 @@ class FreeBlockQueue:
         self.remove(block)
         return block
 
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """The first n blocks, unlinked (n popleft() calls in one pass)."""
+        if n > self.num_free:
+            raise ValueError("no free blocks")
+        out = []
+        block = self.head.next_free
+        for _ in range(n):
+            assert block is not None
+            out.append(block)
+            after = block.next_free
+            block.prev_free = block.next_free = None
+            block = after
+        assert block is not None
+        self.head.next_free = block
+        block.prev_free = self.head
+        self.num_free -= n
+        return out
+
     def remove(self, block: KVCacheBlock) -> None:
         assert block.prev_free is not None and block.next_free is not None, "block is not free"
         block.prev_free.next_free = block.next_free
@@ -62,6 +80,19 @@ class FreeBlockQueue:
         block.next_free = self.tail
         self.tail.prev_free = block
         self.num_free += 1
+
+    def extend(self, blocks: list[KVCacheBlock]) -> None:
+        """Append blocks in their order (len(blocks) append() calls in one pass)."""
+        last = self.tail.prev_free
+        assert last is not None
+        for block in blocks:
+            assert block.prev_free is None and block.next_free is None, "block is already free"
+            last.next_free = block
+            block.prev_free = last
+            last = block
+        last.next_free = self.tail
+        self.tail.prev_free = last
+        self.num_free += len(blocks)
 
     def __iter__(self):
         node = self.head.next_free
@@ -111,24 +142,23 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on cache hits; a free cached block leaves the free queue."""
+        remove = self.free_queue.remove
         for block in blocks:
             if block.ref_cnt == 0:
-                self.free_queue.remove(block)
+                remove(block)
             block.ref_cnt += 1
 
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
         if n > self.num_free_blocks:
             raise ValueError(f"cannot get {n} blocks, {self.num_free_blocks} free")
-        out = []
+        out = self.free_queue.popleft_n(n)
         evicted: list[int | bytes] = []
-        for _ in range(n):
-            block = self.free_queue.popleft()
+        for block in out:
             assert block.ref_cnt == 0
             if block.block_hash is not None:
                 evicted.append(self.hash_to_event(block.block_hash))
                 self._uncache(block)
             block.ref_cnt = 1
-            out.append(block)
         if evicted:
             self.num_evictions += len(evicted)
             if self.enable_events:
@@ -137,11 +167,13 @@ class BlockPool:
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference each; pass blocks in eviction order (the tail of a request first)."""
+        freed = []  # appended to the free queue in this order, as they reach ref 0
         for block in blocks:
             assert block.ref_cnt > 0, f"double free of {block}"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
+                freed.append(block)
+        self.free_queue.extend(freed)
 
     def cache_full_blocks(
         self,

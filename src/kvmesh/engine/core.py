@@ -58,9 +58,11 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.publish_events = publish_events or (lambda events: None)
-        self.detoks: dict[str, IncrementalDetokenizer] = {}
+        # None: a request whose output carries no text (and so has no stop strings)
+        self.detoks: dict[str, IncrementalDetokenizer | None] = {}
         self.last_token_time: dict[str, float] = {}
         self.num_steps = 0
+        self.log_stats = True  # record metrics (a simulator that reads none turns it off)
         self.step_observer = None  # called after each step (emulation records predicted times)
         self.transfer_config = KVTransferConfig(engine_id=uuid.uuid4().hex)
         self.held = HeldBlocks(self.transfer_config.hold_timeout_s)
@@ -117,14 +119,14 @@ class EngineCore:
             if self.runner.waits_instead_of_computing:  # tokens appear when the step ends
                 now += self.runner.last_step_time
             progressed = self.scheduler.update_from_output(out, sampled)
-            if self.speculator is not None:
+            if self.speculator is not None and self.log_stats:  # its metrics, nothing else
                 self.speculator.record(out, sampled)
             if self.step_observer is not None:
                 self.step_observer(
                     self.scheduler, step_start, self.runner.last_step_time, progressed
                 )
-            for request, num_new in progressed:
-                outputs.append(self._process_tokens(request, num_new, now))
+            process = self._process_tokens
+            outputs = [process(request, num_new, now) for request, num_new in progressed]
             if self.speculator is not None:
                 self.speculator.propose(self.scheduler, out, [r for r, _ in progressed])
             self.kv.flush_offload()  # before the next step writes any device block again
@@ -132,7 +134,8 @@ class EngineCore:
             self.kv.loads.wait()  # only copies in flight: wait for the first to land
         if self.held.held:
             self.expire_held()
-        self._record(out)
+        if self.log_stats:
+            self._record(out)
         self.publish_events(self.kv.take_events())
         return outputs
 
@@ -151,36 +154,56 @@ class EngineCore:
     def _process_tokens(self, request: Request, num_new: int, now: float) -> RequestOutput:
         """The step's new tokens through the stop checks one at a time, as one-token steps
         would see them; tokens after a stop are dropped (speculation can emit several)."""
-        rid = request.request_id
-        first = request.num_output_tokens - num_new
+        num_output = len(request.output_token_ids)
+        first = num_output - num_new
         tokens = request.output_token_ids[first:]
-        want_logprobs = request.sampling.logprobs is not None
-        detok = self.detoks[rid]
-        status = None
-        for i, token in enumerate(tokens):
-            detok.add(token)
-            status = self._check_stop(request, token, detok, first + i + 1)
-            if status is not None:
-                del tokens[i + 1 :]
-                self._drop_tokens_after(request, first + i + 1)
-                break
-        if request.num_output_tokens == len(tokens):
-            request.first_token_time = now
-            self.metrics.ttft.observe(now - request.arrival_time)
-            self.metrics.prompt_tokens.inc(request.num_prompt_tokens)
-            if request.first_scheduled_time is not None:
-                self.metrics.queue_time.observe(request.first_scheduled_time - request.arrival_time)
+        detok = self.detoks[request.request_id]
+        p = request.sampling
+        status, end = None, num_output  # how it ends, at how many output tokens
+        if detok is None and (p.ignore_eos or not request.eos_token_ids) and not p.stop_token_ids:
+            # no text and no token to watch for: only the length limit can end it
+            limit = min(p.max_tokens, self.runner.max_model_len - len(request.prompt_token_ids))
+            if num_output >= limit:
+                status, end = RequestStatus.FINISHED_LENGTH, max(limit, first + 1)
         else:
-            self.metrics.itl.observe(now - self.last_token_time.get(rid, now))
-        self.last_token_time[rid] = now
-        self.metrics.generation_tokens.inc(len(tokens))
-
+            for i, token in enumerate(tokens):
+                if detok is not None:
+                    detok.add(token)
+                status = self._check_stop(request, token, detok, first + i + 1)
+                if status is not None:
+                    end = first + i + 1
+                    break
+        if end < num_output:
+            del tokens[end - first :]
+            self._drop_tokens_after(request, end)
+        if first == 0:
+            request.first_token_time = now
+        if self.log_stats:
+            self._observe_tokens(request, first, len(tokens), now, status is not None)
         if status is not None:
             self._finish(request, status)
-            self.metrics.e2e.observe(now - request.arrival_time)
-        text = detok.release(final=status is not None)
-        logprobs = request.output_logprobs[first:] if want_logprobs else None
-        return self._output(request, tokens, logprobs or None, text)
+        text = detok.release(final=status is not None) if detok is not None else ""
+        logprobs = None
+        if p.logprobs is not None:
+            logprobs = request.output_logprobs[first:] or None
+        return self._output(request, tokens, logprobs, text, end)
+
+    def _observe_tokens(
+        self, request: Request, first: int, num_tokens: int, now: float, finished: bool
+    ) -> None:
+        """Metrics of a step's num_tokens new tokens after the first `first` outputs."""
+        m, rid = self.metrics, request.request_id
+        if first == 0:
+            m.ttft.observe(now - request.arrival_time)
+            m.prompt_tokens.inc(len(request.prompt_token_ids))
+            if request.first_scheduled_time is not None:
+                m.queue_time.observe(request.first_scheduled_time - request.arrival_time)
+        else:
+            m.itl.observe(now - self.last_token_time.get(rid, now))
+        self.last_token_time[rid] = now
+        m.generation_tokens.inc(num_tokens)
+        if finished:
+            m.e2e.observe(now - request.arrival_time)
 
     @staticmethod
     def _drop_tokens_after(request: Request, num_output: int) -> None:
@@ -196,7 +219,6 @@ class EngineCore:
     ) -> RequestStatus | None:
         """Whether the num_output-th output token (token) ends the request."""
         p = request.sampling
-        num_tokens = request.num_prompt_tokens + num_output
         if num_output >= p.min_tokens:
             if not p.ignore_eos and token in request.eos_token_ids:
                 request.stop_reason = None
@@ -204,13 +226,13 @@ class EngineCore:
             if token in p.stop_token_ids:
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-            stop_str = detok.find_stop()
+            stop_str = detok.find_stop() if detok is not None else None
             if stop_str is not None:
                 request.stop_reason = stop_str
                 return RequestStatus.FINISHED_STOPPED
         if num_output >= p.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if num_tokens >= self.runner.max_model_len:
+        if len(request.prompt_token_ids) + num_output >= self.runner.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
@@ -318,22 +340,27 @@ class EngineCore:
         for held in self.held.expired():
             self.kv.pool.free_blocks(reversed(held.blocks))
 
-    def _output(self, request: Request, tokens, logprobs, text: str) -> RequestOutput:
-        finished = request.is_finished
+    def _output(
+        self, request: Request, tokens, logprobs, text: str, num_output: int | None = None
+    ) -> RequestOutput:
+        """The request's output for this step; num_output: its output tokens, when known."""
+        status = request.status
+        finished = status >= RequestStatus.FINISHED_STOPPED
         if finished:
             self.detoks.pop(request.request_id, None)
-        return RequestOutput(
-            request_id=request.request_id,
-            text=text,
-            token_ids=tokens,
-            logprobs=logprobs,
-            finished=finished,
-            finish_reason=request.status.finish_reason,
-            stop_reason=request.stop_reason,
-            num_prompt_tokens=len(request.prompt_token_ids),
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            num_output_tokens=len(request.output_token_ids),
-            kv_transfer_params=request.kv_transfer_params if finished else None,
+        return RequestOutput(  # positional, in field order: one a request a step
+            request.request_id,
+            text,
+            tokens,
+            logprobs,
+            finished,
+            status.finish_reason if finished else None,
+            request.stop_reason,
+            len(request.prompt_token_ids),
+            request.num_cached_tokens if request.num_cached_tokens > 0 else 0,
+            len(request.output_token_ids) if num_output is None else num_output,
+            None,
+            request.kv_transfer_params if finished else None,
         )
 
     def _record_load(self) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import takewhile
+from operator import attrgetter
 from typing import TYPE_CHECKING, NamedTuple
 
 from kvmesh.engine.block_pool import BlockPool, KVCacheBlock
@@ -12,6 +14,9 @@ from kvmesh.protocol.hashing import BlockHasher, block_hash_to_int, event_extra_
 
 if TYPE_CHECKING:
     from kvmesh.engine.kv_loads import AsyncKVLoads
+
+
+_ref_cnt = attrgetter("ref_cnt")
 
 
 class ComputedBlocks(NamedTuple):
@@ -111,12 +116,8 @@ class KVCacheManager:
 
     def find_cached(self, block_hashes: list[bytes]) -> list[KVCacheBlock]:
         """The device blocks of the longest cached prefix of these hashes."""
-        hits: list[KVCacheBlock] = []
-        for block_hash in block_hashes:
-            block = self.pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hits.append(block)
+        # BlockPool.get_cached_block over the hashes, up to the first miss (a block is truthy)
+        hits: list[KVCacheBlock] = list(takewhile(bool, map(self.pool.cached.get, block_hashes)))
         if self.offloader is not None and hits:  # a device hit keeps its copies warm too
             self.offloader.tiers[0].touch(b.block_hash for b in hits if b.block_hash)
         return hits
@@ -174,23 +175,26 @@ class KVCacheManager:
         computed: ComputedBlocks | None = None,
     ) -> list[KVCacheBlock] | None:
         """Make room for num_new_tokens after the computed ones; None when blocks run out."""
-        computed_blocks = computed.blocks if computed else []
-        num_computed = request.num_computed_tokens + (computed.num_tokens if computed else 0)
-        held = self.req_to_blocks.setdefault(request.request_id, [])
-        total = num_computed + num_new_tokens
-        num_needed = -(-total // self.block_size) - len(held) - len(computed_blocks)
-        # computed blocks with ref 0 sit in the free queue: taking them shrinks what is free
-        if computed_blocks:
-            num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        held = self.req_to_blocks.get(request.request_id)
+        if held is None:
+            held = self.req_to_blocks[request.request_id] = []
+        total = request.num_computed_tokens + num_new_tokens
+        hits = computed.blocks if computed is not None else ()
+        if computed is not None:
+            total += computed.num_tokens
+        num_needed = -(-total // self.block_size) - len(held) - len(hits)
+        if hits:
+            # computed blocks with ref 0 sit in the free queue: taking them shrinks what is free
+            num_evictable_hits = list(map(_ref_cnt, hits)).count(0)
             if num_needed > self.pool.num_free_blocks - num_evictable_hits:
                 return None
-            self.pool.touch(computed_blocks)
-            held.extend(computed_blocks)
+            self.pool.touch(hits)
+            held.extend(hits)
             self.num_cached_blocks[request.request_id] = len(held)
-        elif num_needed > self.pool.num_free_blocks:
-            return None
         if num_needed <= 0:  # most decode steps: the last block has room
             return []
+        if num_needed > self.pool.num_free_blocks:
+            return None
         new_blocks = self.pool.get_new_blocks(num_needed)
         held.extend(new_blocks)
         return new_blocks

@@ -12,10 +12,13 @@ from __future__ import annotations
 import heapq
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.engine.kv_cache_manager import KVCacheManager
 from kvmesh.engine.sequence import Request, RequestStatus
+
+_FINISHED = RequestStatus.FINISHED_STOPPED  # statuses from here on are finished
 
 
 @dataclass(slots=True)
@@ -36,8 +39,8 @@ class ScheduledRequest:
     request: Request
     num_tokens: int  # known tokens to compute this step, from request.num_computed_tokens
     # drafts computed after them at the following positions (speculative decoding); only
-    # a request that samples carries them, and the target's pass verifies them
-    spec_token_ids: list[int] = field(default_factory=list)
+    # a request that samples carries them, and the target's pass verifies them (read-only)
+    spec_token_ids: Sequence[int] = ()
 
     @property
     def samples(self) -> bool:
@@ -154,41 +157,50 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        scheduled_ids: set[str] = set()
+        scheduled, preempted = out.scheduled, out.preempted
+        config = self.config
+        budget = config.max_num_batched_tokens
+        cap = config.long_prefill_token_threshold
+        allocate_slots = self.kv.allocate_slots
         loads = self.kv.loads
         if loads is not None:
             for request in reversed(loads.poll()):  # blocks landed: first in line again
                 request.status = RequestStatus.WAITING
                 self.waiting.add(request, front=True)
 
+        # the hot loop of a decode-heavy engine: one pass per running request per step
         for request in list(self.running):
             if budget <= 0:
                 break
-            if request not in self.running:  # preempted earlier in this step
+            if preempted and request in preempted:  # preempted earlier in this step
                 continue
-            num_new = self._prefill_cap(request.num_tokens - request.num_computed_tokens, budget)
+            num_tokens = len(request.all_token_ids)
+            num_computed = request.num_computed_tokens
+            num_new = num_tokens - num_computed  # _prefill_cap, inlined
+            if 0 < cap < num_new:
+                num_new = cap
+            if num_new > budget:
+                num_new = budget
             if num_new <= 0:
                 continue
-            samples = request.num_computed_tokens + num_new == request.num_tokens
-            spec: list[int] = []
+            samples = num_computed + num_new == num_tokens
+            spec: Sequence[int] = ()
             if request.spec_token_ids:  # drafts go only where the step samples; trimmed first
                 if samples:
                     spec = request.spec_token_ids[: budget - num_new]
                 request.spec_token_ids = []
             num_slots = num_new + len(spec)
-            if samples:
-                num_slots += self._lookahead(request.num_computed_tokens + num_slots)
-            while self.kv.allocate_slots(request, num_slots) is None:
+            if samples and config.num_lookahead_tokens:
+                num_slots += self._lookahead(num_computed + num_slots)
+            while allocate_slots(request, num_slots) is None:
                 victim = self._victim()
-                if victim.request_id in scheduled_ids:  # never undo work planned this step
+                if any(s.request is victim for s in scheduled):  # never undo planned work
                     victim = request
                 self._preempt(victim, out)
                 if victim is request:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(request, num_new, spec))
-                scheduled_ids.add(request.request_id)
+                scheduled.append(ScheduledRequest(request, num_new, spec))
                 budget -= num_new + len(spec)
 
         if out.preempted:
@@ -239,20 +251,22 @@ class Scheduler:
         ones' KV stays past num_computed_tokens, where the next step overwrites it: only
         verified tokens are ever hashed, cached or announced."""
         progressed = []
+        cache_blocks = self.kv.cache_blocks
         for item in out.scheduled:
             request = item.request
-            if request.is_finished:  # aborted while the step ran
+            if request.status >= _FINISHED:  # aborted while the step ran
                 continue
             new = sampled.get(request.request_id)
-            num_accepted = len(new[0]) - 1 if new is not None else 0
-            assert 0 <= num_accepted <= len(item.spec_token_ids)  # never past the drafts
-            request.num_computed_tokens += item.num_tokens + num_accepted
-            if new is not None:
+            if new is None:  # a prefill chunk short of the end
+                request.num_computed_tokens += item.num_tokens
+            else:
                 tokens, logprobs = new
-                for i, token in enumerate(tokens):
-                    request.append_output_token(token, logprobs[i] if logprobs else None)
+                num_accepted = len(tokens) - 1
+                assert 0 <= num_accepted <= len(item.spec_token_ids)  # never past the drafts
+                request.num_computed_tokens += item.num_tokens + num_accepted
+                request.append_output_tokens(tokens, logprobs)
                 progressed.append((request, len(tokens)))
-            self.kv.cache_blocks(request, request.num_computed_tokens)
+            cache_blocks(request, request.num_computed_tokens)
         return progressed
 
     def finish(self, request: Request, status: RequestStatus, keep_blocks: bool = False):

@@ -120,11 +120,14 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.finished
 
-    def append_output_token(self, token_id: int, logprobs: list[tuple[int, float]] | None) -> None:
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
-        if logprobs is not None:
-            self.output_logprobs.append(logprobs)
+    def append_output_tokens(
+        self, token_ids: list[int], logprobs: list[list[tuple[int, float]]] | None
+    ) -> None:
+        """Append one step's sampled tokens and, when given, their logprobs (one per token)."""
+        self.output_token_ids += token_ids
+        self.all_token_ids += token_ids
+        if logprobs:
+            self.output_logprobs += [lp for lp in logprobs[: len(token_ids)] if lp is not None]
 
     def sort_key(self) -> tuple[int, float]:
         """Scheduling order under the priority policy: lower value runs earlier."""

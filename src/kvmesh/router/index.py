@@ -10,8 +10,9 @@ O(blocks x endpoints). Neither is thread-safe: the router calls them from one ev
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence, Set
+from itertools import groupby, islice
 
 from kvmesh.protocol.hashing import block_hash_to_int
 from kvmesh.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
@@ -195,54 +196,46 @@ class PreciseIndex:
     ) -> dict[str, float]:
         """Per endpoint: sum over its consecutive leading held blocks of the best medium weight.
 
-        Endpoints without a hit may be absent. Blocks share interned holder objects, so weights
-        are charged per (holder, run of blocks) and subset checks run once per holder.
+        Endpoints without a hit are absent. Blocks share interned holder objects, so weights
+        are charged per (holder, run of blocks) and subset checks run once per holder; the
+        walk over the blocks and their LRU touches are C-level iterations.
         """
         blocks = self._blocks
-        active: set[str] | None = None if endpoints is None else set(endpoints)
+        active = _endpoint_set(endpoints)
         if active is not None and not active:
             return {}
-        touch = blocks.move_to_end if self.touch_on_match else None
-        matched: dict[str, int] = {}  # endpoints that dropped out -> blocks they matched
+        out: dict[str, float] = {}  # endpoints that dropped out -> their match
         deficit: dict[str, float] = {}  # endpoint -> sum of (1 - weight) over its matched blocks
         pending: dict[_Holders, int] = {}  # blocks per holder (with deficits) since last shrink
         superset: set[_Holders] = set()  # holders known to contain `active` (it only shrinks)
-        run_h: _Holders | None = None
-        run = n = 0  # run: blocks since run_h began; n: blocks matched by all of `active`
-        for key in block_hashes:
-            h = blocks.get(key)
-            if h is None:
+        n = 0  # blocks matched by all of `active`
+        for h, run in groupby(map(blocks.get, block_hashes)):  # runs of one holder
+            if h is None:  # the first block not held: groupby read no further
                 break
-            if h is not run_h:
-                if run_h is not None and run_h.deficit:
-                    pending[run_h] = pending.get(run_h, 0) + run
-                run_h = None
-                if h not in superset:
-                    held = h.masks.keys()
-                    if active is None:
-                        active = set(held)
-                    elif not held >= active:
-                        _charge(deficit, pending, active)
-                        pending.clear()
-                        still = active & held
-                        for e in active - still:
-                            matched[e] = n
-                        active = still
-                    if not active:
-                        break
-                    superset.add(h)
-                run_h, run = h, 0
-            run += 1
-            n += 1
-            if touch is not None:
-                touch(key)
-        if run_h is not None and run_h.deficit:
-            pending[run_h] = pending.get(run_h, 0) + run
-        if active:
+            if h not in superset:
+                held = h.masks.keys()
+                if active is None:
+                    active = set(held)
+                elif not held >= active:
+                    _charge(deficit, pending, active)
+                    pending.clear()
+                    still = active & held
+                    if n:
+                        _settle(out, active - still, n, deficit)
+                    active = still
+                if not active:
+                    break
+                superset.add(h)
+            count = len(list(run))
+            if h.deficit:
+                pending[h] = pending.get(h, 0) + count
+            n += count
+        if n and self.touch_on_match:  # the matched blocks, in order: most recently used
+            deque(map(blocks.move_to_end, islice(block_hashes, n)), 0)
+        if active and n:
             _charge(deficit, pending, active)
-            for e in active:
-                matched[e] = n
-        return {e: m - deficit.get(e, 0.0) for e, m in matched.items() if m}
+            _settle(out, active, n, deficit)
+        return out
 
     def num_entries(self) -> int:
         """(block, endpoint) pairs held; at most ``capacity``."""
@@ -256,6 +249,21 @@ class PreciseIndex:
         holders = sum(200 + 100 * len(h.masks) for h in self._views.values())
         total = _BYTES_PER_BLOCK * len(self._blocks) + holders
         return total / max(1, self._entries) if self._entries else _BYTES_PER_BLOCK
+
+
+def _endpoint_set(endpoints: Iterable[str] | None) -> Set[str] | None:
+    """The endpoints a query is over (None: all); a set is used as given, never changed."""
+    if endpoints is None or isinstance(endpoints, (set, frozenset)):
+        return endpoints
+    return set(endpoints)
+
+
+def _settle(out: dict[str, float], ended: Set[str], n: int, deficit: dict[str, float]) -> None:
+    """`ended` matched `n` blocks, less their deficits (charged in full by now): into `out`."""
+    out.update(dict.fromkeys(ended, n - 0.0))
+    for e, d in deficit.items():
+        if e in ended:
+            out[e] = n - d
 
 
 def _charge(deficit: dict[str, float], pending: dict[_Holders, int], active: set[str]) -> None:
@@ -335,33 +343,28 @@ class ApproximateIndex:
     def longest_match(
         self, block_keys: Sequence[int], endpoints: Iterable[str] | None = None
     ) -> dict[str, int]:
-        """Consecutive leading blocks per endpoint; endpoints with none may be absent."""
-        pods = self._pods
-        active: set[str] | None = None if endpoints is None else set(endpoints)
+        """Consecutive leading blocks per endpoint; endpoints with none are absent."""
+        active = _endpoint_set(endpoints)
         if active is not None and not active:
             return {}
         counts: dict[str, int] = {}
-        prev: frozenset[str] | None = None
         n = 0
-        for key in block_keys:
-            s = pods.get(key)
-            if s is None:
+        for s, run in groupby(map(self._pods.get, block_keys)):  # runs of one endpoint set
+            if s is None:  # the first block not sent: groupby read no further
                 break
-            if s is not prev:
-                if active is None:
-                    active = set(s)
-                elif not s >= active:
-                    still = active & s
-                    for e in active - still:
-                        counts[e] = n
-                    active = still
-                if not active:
-                    break
-                prev = s
-            n += 1
-        for e in active or ():
-            counts[e] = n
-        return {e: c for e, c in counts.items() if c}
+            if active is None:
+                active = set(s)
+            elif not s >= active:
+                still = active & s
+                if n:
+                    counts.update(dict.fromkeys(active - still, n))
+                active = still
+            if not active:
+                break
+            n += len(list(run))
+        if active and n:
+            counts.update(dict.fromkeys(active, n))
+        return counts
 
     def num_entries(self) -> int:
         """(block, endpoint) pairs recorded; at most capacity_per_endpoint per endpoint."""

@@ -6,6 +6,7 @@ prefix matches its plugins declare they read, over every candidate endpoint."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from math import isfinite
 from typing import Any
 
 import yaml
@@ -127,6 +128,42 @@ class Profile:
         return [*self.filters, *(s for s, _ in self.scorers), self.picker]
 
 
+def weighted_totals(n: int, weighted: list[tuple[float, list[float]]]) -> list[float]:
+    """0.0 + w * s[i] of each (w, s) in turn, for i < n. Over a few endpoints one loop per
+    endpoint (a comprehension's setup costs more than its items); over more, up to four lists
+    per comprehension (a pass per scorer over hundreds of endpoints costs more than the
+    additions), skipping lists all 0: they would add nothing, as a total starts at +0.0, so
+    is never -0.0, and x + (+-0.0) == x for any other x (0 times a weight that is not finite
+    would be NaN: such a list is kept)."""
+    totals = [0.0] * n
+    if n <= 8:
+        for i in range(n):
+            t = 0.0
+            for w, s in weighted:
+                t += w * s[i]
+            totals[i] = t
+        return totals
+    weighted = [(w, s) for w, s in weighted if any(s) or not isfinite(w)]
+    for i in range(0, len(weighted), 4):
+        chunk = weighted[i : i + 4]
+        if len(chunk) == 4:
+            (w, a), (x, b), (y, c), (z, d) = chunk
+            totals = [
+                t + w * p + x * q + y * r + z * s
+                for t, p, q, r, s in zip(totals, a, b, c, d, strict=True)
+            ]
+        elif len(chunk) == 3:
+            (w, a), (x, b), (y, c) = chunk
+            totals = [t + w * p + x * q + y * r for t, p, q, r in zip(totals, a, b, c, strict=True)]
+        elif len(chunk) == 2:
+            (w, a), (x, b) = chunk
+            totals = [t + w * p + x * q for t, p, q in zip(totals, a, b, strict=True)]
+        else:
+            ((w, a),) = chunk
+            totals = [t + w * p for t, p in zip(totals, a, strict=True)]
+    return totals
+
+
 class Pipeline:
     """Built once from an EndpointPickerConfig. Its capabilities are those its profile handler
     and the plugins its profiles use declare: `reads_tokens` (else the router skips tokenizing),
@@ -200,26 +237,24 @@ class Pipeline:
             endpoints = f.filter(req, endpoints)
         profiles = req.state.profiles
         if not endpoints:
-            result = profiles[profile.name] = ProfileResult(None, {}, {}, endpoints)
+            result = profiles[profile.name] = ProfileResult(None, endpoints, [], {})
             return result
-        # a scorer scores every endpoint it is given; each total sums in scorer order
-        scores: dict[str, dict[str, float]] = {}
-        totals: dict[str, float] = {}
-        for e in endpoints:
-            totals[e.name] = 0.0
+        # every score and total is a list aligned with `endpoints`
+        scores: dict[str, list[float]] = {}
+        weighted: list[tuple[float, list[float]]] = []
         for scorer, weight in profile.scorers:
             s = scores[scorer.name] = scorer.score(req, endpoints)
-            for name in totals:
-                totals[name] += weight * s[name]
+            weighted.append((weight, s))
+        totals = weighted_totals(len(endpoints), weighted)
         chosen = profile.picker.pick(totals, endpoints)
         for scorer in profile.hooks:
             scorer.chosen(req, chosen)
-        result = profiles[profile.name] = ProfileResult(chosen, totals, scores, endpoints)
+        result = profiles[profile.name] = ProfileResult(chosen, endpoints, totals, scores)
         return result
 
     def schedule(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> SchedulingResult:
         state = req.state = SchedulingState.of(req)
         if self.looks_up and req.block_keys:
-            names = [e.name for e in endpoints]
+            names = state.names(endpoints)
             state.look_up(req.block_keys, names, self.precise_index, self.approximate_index)
         return self.handler.run(self, req, endpoints)

@@ -2,14 +2,18 @@
 loop of agents, one run each, in one table, so that what each technique adds shows part by part.
 
 The full stack is the fleet the flags describe: the first of --policies (the router's cache-aware
-preset by default), --layout (wide EP), --speculative-config (MTP) and the host tier of
---serve-args (--kv-offloading-size). Each other row turns one of them off and keeps the rest:
+preset by default), --layout (wide EP), --speculative-config (MTP), the host tier of
+--serve-args (--kv-offloading-size), --kv-peer-min-cached-token-delta (peer sharing) and
+--prefill-gpus (P/D, with a P/D policy such as the `pd` preset). Each other row turns one of
+them off and keeps the rest:
 
-  precise routing   the router's preset -> round-robin (no prefix matches, no load scores)
+  precise routing   the router's preset -> round-robin (with P/D: round-robin within each pool)
   host tier         --kv-offloading-size dropped (prefixes evicted from HBM are recomputed)
-  wide EP           dpN instances -> TP8 replicas on the same GPUs
+  peer sharing      no pulls from peers (a prefix held elsewhere is recomputed)
+  P/D               the same GPUs all serving whole requests; the `pd` preset -> `kvmesh`, the
+                    router's aggregated preset (another P/D policy is kept as given)
+  wide EP           dpN instances -> TP8 replicas on the same GPUs (and the same split)
   MTP               --speculative-config dropped (one token per sequence per step)
-  peer sharing, P/D listed, not run: the simulator does not model KV pulls between engines yet
 
 A technique the full stack does not use is listed as not in it, with the flag that adds it.
 """
@@ -21,9 +25,21 @@ import shlex
 from dataclasses import dataclass, replace
 
 ROUND_ROBIN = "round-robin"
+PD_PRESET, AGGREGATED = "pd", "kvmesh"  # the router's P/D preset and its aggregated one
 TP_REPLICA = "tp8"  # what wide EP is compared with: one replica per 8-GPU node
-NOT_SIMULATED = "not simulated yet: kvmesh sim has no KV transfers between engines"
 DP_LAYOUT = re.compile(r"^dp\d+$")
+# round-robin within each pool: the disagg handler with a round-robin picker per profile
+PD_ROUND_ROBIN = """
+plugins:
+- {type: disagg-profile-handler, parameters: {nonCachedTokens: 0}}
+- {type: decode-filter}
+- {type: prefill-filter}
+- {type: round-robin-picker, name: decode-picker}
+- {type: round-robin-picker, name: prefill-picker}
+schedulingProfiles:
+- {name: decode, plugins: [{pluginRef: decode-filter}, {pluginRef: decode-picker}]}
+- {name: prefill, plugins: [{pluginRef: prefill-filter}, {pluginRef: prefill-picker}]}
+"""
 
 
 @dataclass(slots=True, frozen=True)
@@ -37,6 +53,8 @@ class Variant:
     layout: str
     engine_flags: tuple[str, ...]
     skipped: str = ""  # non-empty: not run, and why
+    prefill_gpus: int = 0  # P/D: the prefill pool's GPUs (sim.pd)
+    peer_delta: int = 0  # peer sharing: --kv-peer-min-cached-token-delta (0: off)
 
 
 def without_flag(argv: str | tuple[str, ...], flag: str) -> tuple[tuple[str, ...], bool]:
@@ -58,10 +76,16 @@ def without_flag(argv: str | tuple[str, ...], flag: str) -> tuple[tuple[str, ...
 
 
 def variants(
-    policy: str, serve_args: str, layout: str, engine_flags: tuple[str, ...]
+    policy: str,
+    serve_args: str,
+    layout: str,
+    engine_flags: tuple[str, ...],
+    prefill_gpus: int = 0,
+    peer_delta: int = 0,
 ) -> list[Variant]:
     """The full stack first, then one row per technique, in the order of the issue's list."""
     full = Variant("full stack", "", policy, serve_args, layout, engine_flags)
+    full = replace(full, prefill_gpus=prefill_gpus, peer_delta=peer_delta)
     rows = [full]
 
     def off(technique: str, why_absent: str, **changes) -> None:
@@ -75,7 +99,7 @@ def variants(
         "not in the full stack (--policies starts with round-robin)"
         if policy == ROUND_ROBIN
         else "",
-        policy=ROUND_ROBIN,
+        policy=PD_ROUND_ROBIN if prefill_gpus else ROUND_ROBIN,
     )
     serve_words, tier = without_flag(serve_args, "--kv-offloading-size")
     off(
@@ -83,8 +107,17 @@ def variants(
         "" if tier else "not in the full stack: add --serve-args '--kv-offloading-size GIB'",
         serve_args=shlex.join(serve_words),
     )
-    off("peer sharing", NOT_SIMULATED)
-    off("P/D", NOT_SIMULATED)
+    off(
+        "peer sharing",
+        "" if peer_delta else "not in the full stack: add --kv-peer-min-cached-token-delta N",
+        peer_delta=0,
+    )
+    off(
+        "P/D",
+        "" if prefill_gpus else "not in the full stack: add --prefill-gpus G --policies pd",
+        prefill_gpus=0,
+        policy=AGGREGATED if policy == PD_PRESET else policy,
+    )
     wide = bool(DP_LAYOUT.match(layout))
     off(
         "wide EP",

@@ -20,8 +20,10 @@ def add_cost_args(g) -> None:
         "--ablation",
         action="store_true",
         help="With --agents N: run the full stack (the first of --policies, --layout, "
-        "--speculative-config, the host tier of --serve-args), then each technique off in "
-        "turn (routing -> round-robin, host tier, wide EP -> TP8 replicas, MTP), one table; "
+        "--speculative-config, the host tier of --serve-args, --kv-peer-min-cached-token-delta, "
+        "--prefill-gpus), then each technique off in turn (routing -> round-robin, host tier, "
+        "peer sharing, P/D -> the same GPUs aggregated, wide EP -> TP8 replicas, MTP), one "
+        "table; "
         "and the full stack's cost per token beside commercial API list prices.",
     )
     g.add_argument(
@@ -88,7 +90,10 @@ def main(args: argparse.Namespace, config: FleetSimConfig, specs: list[str], age
     from kvmesh.sim.fleet_args import engine_flags
 
     usd, price_from = gpu_price(args.gpu_hour_price, config.emulation.emulate_gpu)
-    rows = variants(specs[0], args.serve_args, config.layout, engine_flags(args))
+    rows = variants(
+        specs[0], args.serve_args, config.layout, engine_flags(args), config.prefill_gpus,
+        config.kv_peer_min_cached_token_delta,
+    )  # fmt: skip
     gpus = config.num_gpus
     print(
         f"ablation: {agents.agents} agents for {agents.duration:g} simulated s, "
@@ -153,7 +158,7 @@ def fleet_of(v: Variant, config: FleetSimConfig, gpus: int) -> FleetSimConfig:
     def build(layout: str) -> FleetSimConfig:
         return fleet_config(
             v.serve_args, config.engines, config.scrape_interval, config.seed, layout, gpus,
-            v.engine_flags,
+            v.engine_flags, v.prefill_gpus, v.peer_delta,
         )  # fmt: skip
 
     if v.layout != TP_REPLICA:

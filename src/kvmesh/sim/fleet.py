@@ -14,6 +14,10 @@ that made them ends). Router and engines share one hashing of each prompt's bloc
 (sim.digests), and the engines skip the metrics, step log and output text no one here reads
 (sim.quiet): the same decisions and the same virtual times, in less wall time.
 
+With a prefill pool (P/D: role-labelled endpoints behind the router's disagg profile handler)
+or peer sharing, a prompt's KV moves between engines through the engines' own export and
+import, taking the transfer time they compute (sim.pd).
+
 No HTTP, no sockets, no sleeping: a trace of an hour on four engines replays in minutes, so a
 policy can be tuned against a whole trace before a fleet run confirms it.
 """
@@ -35,10 +39,12 @@ from kvmesh.protocol.hashing import BlockHasher
 from kvmesh.protocol.kv_events import KVEventBatch
 from kvmesh.router import forward_load
 from kvmesh.router.index import ApproximateIndex, PreciseIndex
+from kvmesh.router.peer_source import PeerSourceConfig, select_source
 from kvmesh.router.pipeline import Pipeline
 from kvmesh.router.plugins import SchedulingRequest
 from kvmesh.sim.digests import PromptDigests
 from kvmesh.sim.instances import SimEngine, Unit, build_units, describe, fleet_size, gpus_per_engine
+from kvmesh.sim.pd import KVMoves, Transfer, check_policy, prefill_pool
 from kvmesh.sim.quiet import no_text
 from kvmesh.sim.records import SimRecord, SimRequest  # noqa: F401 - this module's API too
 
@@ -59,6 +65,12 @@ class FleetSimConfig:
     # "": dense engines; "dpN": DPN/EPN wide-EP instances of an MoE model; "tpN": TPN replicas
     layout: str = ""
     gpus: int = 0  # 0: `engines` engines or instances; else the fleet's GPUs, which set `engines`
+    # P/D: GPUs of the fleet in its prefill pool (as many engines or instances of the layout),
+    # the rest decode; 0: every engine serves whole requests (sim.pd)
+    prefill_gpus: int = 0
+    # peer sharing: the chosen engine pulls a prefix a peer holds this many tokens beyond its
+    # own (the router's --kv-peer-min-cached-token-delta); 0: off (sim.pd)
+    kv_peer_min_cached_token_delta: int = 0
     scrape_interval: float = 0.1  # virtual seconds between the router's metric scrapes
     index_capacity: int = 8_000_000
     approx_capacity_per_endpoint: int = 31_250
@@ -68,21 +80,31 @@ class FleetSimConfig:
     measure_known: bool = True
     engine: EngineConfig = field(default_factory=EngineConfig)
     emulation: EmulationConfig = field(default_factory=EmulationConfig)
+    prefill_engines: int = field(init=False, default=0)  # of `engines`, from prefill_gpus
 
     def __post_init__(self) -> None:
         self.layout = self.layout.strip().lower()
         self.engines = fleet_size(self.engines, self.gpus, self.layout, self.emulation)
+        per = gpus_per_engine(self.layout, self.emulation)
+        self.prefill_engines = prefill_pool(self.prefill_gpus, self.engines, self.layout, per)
+        if self.kv_peer_min_cached_token_delta < 0:
+            raise ValueError("--kv-peer-min-cached-token-delta must be 0 (off) or positive")
 
     @property
     def num_gpus(self) -> int:
         return self.engines * gpus_per_engine(self.layout, self.emulation)
 
     def describe(self) -> str:
-        """'4 engines', or '34 DP16/EP16 instances (544 GPUs)'."""
-        return describe(self.engines, self.layout, self.num_gpus)
+        """'4 engines', or '34 DP16/EP16 instances (544 GPUs)', and the P/D split."""
+        text = describe(self.engines, self.layout, self.num_gpus)
+        if self.prefill_engines:
+            text += (
+                f": {self.prefill_engines} prefill, {self.engines - self.prefill_engines} decode"
+            )
+        return text
 
 
-class FleetSim:
+class FleetSim(KVMoves):
     """Replays requests through one policy (a preset name or an EndpointPickerConfig YAML)."""
 
     def __init__(self, config: FleetSimConfig, policy: str, tokenizer) -> None:
@@ -105,9 +127,18 @@ class FleetSim:
         self.digests = PromptDigests(
             BlockHasher(engine_config.prefix_caching_hash_algo, self.block_size)
         )
-        self.units: list[Unit] = build_units(
-            config.engines, config.layout, engine_config, config.emulation, tokenizer
-        )
+        check_policy(self.pipeline, config.prefill_engines)
+        if config.prefill_engines:  # decode units first, then the prefill pool
+            decode = config.engines - config.prefill_engines
+            build = (engine_config, config.emulation, tokenizer)
+            self.units: list[Unit] = build_units(decode, config.layout, *build, role="decode")
+            self.units += build_units(
+                config.prefill_engines, config.layout, *build, first=decode, role="prefill"
+            )
+        else:
+            self.units = build_units(
+                config.engines, config.layout, engine_config, config.emulation, tokenizer
+            )
         # one per endpoint: the dense engines, or every rank of every instance
         self.engines: list[SimEngine] = [e for u in self.units for e in u.engines]
         self.endpoints = [e.endpoint for e in self.engines]
@@ -120,6 +151,14 @@ class FleetSim:
         self._deps_left: dict[int, int] = {}  # rid -> its deps not finished yet
         self._dependents: dict[int, list[SimRequest]] = defaultdict(list)
         self.on_finish = None  # called with each finished SimRecord (a closed-loop driver)
+        self.transfers: dict[str, Transfer] = {}  # request id -> its KV move (P/D, peer)
+        self._legs: dict[str, Transfer] = {}  # prefill legs in flight, by their engine request
+        self.peer_sources = None
+        if config.kv_peer_min_cached_token_delta:
+            delta = config.kv_peer_min_cached_token_delta
+            self.peer_sources = PeerSourceConfig(delta, self.block_size)
+            for e in self.endpoints:  # the router names a source by host:port
+                e.url += ":8000"
 
     # ---- the event loop ------------------------------------------------------------------
     def _push(self, t: float, kind: str, payload) -> None:
@@ -165,6 +204,8 @@ class FleetSim:
             return self._arrive(payload)
         elif kind == "step":
             return self._step_done(payload)
+        elif kind == "add":  # a request whose KV has arrived joins its engine
+            self._add(*payload)
         else:
             self._scrape()
             self._push(self.now + self.config.scrape_interval, "scrape", None)
@@ -198,20 +239,42 @@ class FleetSim:
             known.look_up(req.block_keys, names, precise, approximate)
             rec.best_known_tokens = max(n - known.uncached_tokens(name) for name in names)
             rec.chosen_known_tokens = n - known.uncached_tokens(chosen.name)
+        refused = r.max_tokens > e.core.runner.max_model_len - n  # the engine's 400
+        if result.prefill is not None and not refused:  # P/D: the prefill leg first
+            self._prefill_leg(req, i, self._engine_of[id(result.prefill)], r.max_tokens, digests)
+            return 0
         self._loads[req.request_id] = forward_load.sent(chosen, req, self.state.approximate_index)
-        if r.max_tokens > e.core.runner.max_model_len - n:  # the engine's 400: past its context
+        if refused:  # past the engine's context
             rec.refused = True
             return self._finish(rec, req.request_id)
-        sampling = SamplingParams(max_tokens=r.max_tokens, ignore_eos=True)
-        request = EngineRequest(req.request_id, token_ids, sampling)
+        request = self._request(req.request_id, token_ids, digests, r.max_tokens, e)
+        if self.peer_sources is not None:
+            source = select_source(
+                self.state.precise_index, endpoints, chosen, req, self.peer_sources
+            )
+            if source is not None:
+                peer = self._engine_of[id(source.endpoint)]
+                if self._pull(peer, i, request):
+                    return 0
+        self._add(i, request)
+        return 0
+
+    def _request(
+        self, request_id: str, token_ids: list[int], digests, max_tokens: int, e: SimEngine
+    ) -> EngineRequest:
+        sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        request = EngineRequest(request_id, token_ids, sampling)
         if e.core.kv.enable_caching:  # the engine hashes only the blocks after these
             request.block_hashes = list(digests)
+        return request
+
+    def _add(self, i: int, request: EngineRequest) -> None:
+        e = self.engines[i]
         unit = self.units[e.unit]
         unit.add_request(e, request)
-        no_text(e.core, req.request_id)
+        no_text(e.core, request.request_id)
         if not unit.busy:
             self._start_step(e.unit)
-        return 0
 
     def _start_step(self, u: int) -> None:
         unit = self.units[u]
@@ -237,12 +300,21 @@ class FleetSim:
         unit = self.units[u]
         self._deliver(unit)
         finished = 0
+        legs = self._legs
         for out in outputs:
+            if legs and out.request_id in legs:  # a P/D prefill leg
+                self._prefilled(legs[out.request_id], out)
+                continue
             rec = self.records[out.request_id]
             if rec.first_token is None:
                 rec.first_token = self.now
                 rec.cached_tokens = max(0, out.num_cached_tokens)
                 forward_load.prefilled(self._loads[out.request_id])
+                if self.transfers and out.request_id in self.transfers:
+                    t = self.transfers[out.request_id]
+                    t.decode_cached = rec.cached_tokens
+                    if t.kind == "pd":  # the tokens no engine computed: the prefill's hit
+                        rec.cached_tokens = t.prefill_cached
             rec.output_tokens = out.num_output_tokens
             if out.finished:
                 finished += self._finish(rec, out.request_id)

@@ -22,10 +22,12 @@ def fleet_config(
     layout: str = "",
     gpus: int = 0,
     engine_flags: tuple[str, ...] = (),
+    prefill_gpus: int = 0,
+    kv_peer_min_cached_token_delta: int = 0,
 ) -> FleetSimConfig:
     """The fleet of --serve-args (and `engine_flags`, serve flags that win over them); with a
     layout the emulated model defaults to glm-5.2-moe. Raises ValueError for a layout that does
-    not fit the model, or GPUs that do not divide into instances."""
+    not fit the model, or GPUs that do not divide into instances (or a prefill pool)."""
     from kvmesh.cli import build_parser
     from kvmesh.commands.flags import config_from_args
     from kvmesh.engine.config import EngineConfig
@@ -44,6 +46,8 @@ def fleet_config(
         seed=seed,
         layout=layout,
         gpus=gpus,
+        prefill_gpus=prefill_gpus,
+        kv_peer_min_cached_token_delta=kv_peer_min_cached_token_delta,
         engine=config_from_args(EngineConfig, args),
         emulation=config_from_args(EmulationConfig, args),
     )
@@ -73,6 +77,28 @@ def add_fleet_args(g) -> None:
         "it); dense, GPUs / --tensor-parallel-size engines. 0: --engines [default: 0].",
     )
     g.add_argument(
+        "--prefill-gpus",
+        type=int,
+        default=0,
+        help="P/D disaggregation: this many of the fleet's GPUs form a prefill pool of "
+        "engines or --layout instances (it must divide into them), the rest a decode pool; "
+        "their endpoints carry llm-d's role label (llm-d.ai/role: prefill | decode). Needs "
+        "a P/D policy (--policies pd: the disagg profile handler picks a decode endpoint, and "
+        "a prefill endpoint when the prompt tokens it lacks reach nonCachedTokens). The "
+        "prefill endpoint runs a one-token copy of the request and holds its KV; the decode "
+        "engine imports it (the engine's KV transfer, its link's time) and decodes with the "
+        "prompt cached. 0: every engine serves whole requests [default: 0].",
+    )
+    g.add_argument(
+        "--kv-peer-min-cached-token-delta",
+        type=int,
+        default=0,
+        help="Peer sharing, as the router's flag of that name: when another engine holds at "
+        "least this many more leading prompt tokens than the chosen one, the chosen engine "
+        "pulls those blocks from it (the engine's KV transfer and its link's time) instead of "
+        "recomputing them. 0: off [default: 0].",
+    )
+    g.add_argument(
         "--emulate-model",
         default=None,
         help="As `kvmesh serve --emulate-model` (wins over --serve-args) [default: "
@@ -92,6 +118,14 @@ def add_fleet_args(g) -> None:
         "at the conditional rates per draft position of --emulate-spec-acceptance (in "
         "--serve-args; default 0.8,0.7,0.6: 2.70 tokens per step with 3) [default: off].",
     )
+
+
+def kv_move_flags(args: argparse.Namespace) -> dict[str, int]:
+    """The fleet_config keywords of the P/D and peer-sharing flags."""
+    return {
+        "prefill_gpus": getattr(args, "prefill_gpus", 0) or 0,
+        "kv_peer_min_cached_token_delta": getattr(args, "kv_peer_min_cached_token_delta", 0) or 0,
+    }
 
 
 def engine_flags(args: argparse.Namespace) -> tuple[str, ...]:

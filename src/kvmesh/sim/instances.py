@@ -34,6 +34,7 @@ from kvmesh.engine.emulation.layouts import build_roofline, layout_name, parse_l
 from kvmesh.engine.emulation.spec import parse_acceptance
 from kvmesh.engine.sequence import Request
 from kvmesh.router.endpoints import Endpoint, data_parallel_ranks
+from kvmesh.router.plugins.base import ROLE_LABEL
 from kvmesh.sim.quiet import quieten
 
 
@@ -142,15 +143,21 @@ def build_units(
     engine_config: EngineConfig,
     emu: EmulationConfig,
     tokenizer,
+    first: int = 0,
+    role: str = "",
 ) -> list[Unit]:
     """`engines` dense engines, or with a layout `engines` instances of it, quiet (sim.quiet)
-    and publishing their KV events into their endpoint's list."""
+    and publishing their KV events into their endpoint's list; the first is unit `first` of
+    the fleet. `role` ("prefill" / "decode"): their endpoints carry it as llm-d's role label
+    (the router's P/D filters read it) and are named `<role>-<k>`; "": no label."""
     units: list[Unit] = []
+    labels = {ROLE_LABEL: role} if role else {}
     if not layout:
         for i in range(engines):
             bundle = build_emulated_engine(engine_config, emu, tokenizer)
-            endpoint = Endpoint(f"http://engine-{i}", name=f"engine-{i}")
-            units.append(DenseUnit(_engine(bundle.engine.core, endpoint, i, 0)))
+            name = f"{role or 'engine'}-{i}"
+            endpoint = Endpoint(f"http://{name}", name=name, labels=dict(labels))
+            units.append(DenseUnit(_engine(bundle.engine.core, endpoint, first + i, 0)))
         return units
     kind, n = parse_layout(layout)
     roofline = instance_roofline(layout, emu, engine_config.expert_placement_strategy)
@@ -162,13 +169,14 @@ def build_units(
     acceptance = parse_acceptance(emu.emulate_spec_acceptance)
     for k in range(engines):
         group = DPGroup(roofline, config, tokenizer, acceptance)
-        base = Endpoint(f"http://instance-{k}", name=f"instance-{k}")
+        name = f"{role or 'instance'}-{k}"
+        base = Endpoint(f"http://{name}", name=name, labels=dict(labels))
         ranks = data_parallel_ranks(base, group.dp_size)
         members = []
         for r, (core, endpoint) in enumerate(zip(group.ranks, ranks, strict=True)):
-            members.append(_engine(core, endpoint, k, r))
+            members.append(_engine(core, endpoint, first + k, r))
             if core.runner.acceptance is not None:  # each instance draws its own acceptances
-                core.runner.acceptance.rng.seed(str((config.seed, r, k)))
+                core.runner.acceptance.rng.seed(str((config.seed, r, first + k)))
         units.append(InstanceUnit(group, members))
     return units
 

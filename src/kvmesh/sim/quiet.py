@@ -1,7 +1,9 @@
 """What the sim's engines skip because no one reads it: Prometheus metrics (the sim's router
 reads the schedulers' gauges directly, as a scrape would), the predicted-timing log of
 /admin/timing, and output text (the sim's requests have no stop strings and the sim reads token
-counts only). Each stand-in takes every call its original takes and does nothing."""
+counts only). The core skips its own metric bookkeeping (`EngineCore.log_stats`) and the
+detokenizer of a request without text (a None detokenizer: its only stop is the length limit);
+the null metrics take every call that is still made and do nothing."""
 
 from __future__ import annotations
 
@@ -32,31 +34,16 @@ class _NullMetrics:
         return NULL_METRIC
 
 
-class _NoText:
-    """An IncrementalDetokenizer for a request without stop strings whose text no one reads."""
-
-    __slots__ = ()
-
-    def add(self, token_id: int) -> None:
-        return None
-
-    def find_stop(self) -> None:
-        return None
-
-    def release(self, final: bool) -> str:
-        return ""
-
-
 NULL_METRIC = _NullMetric()
-NO_TEXT = _NoText()
 
 
 def quieten(core: EngineCore) -> None:
     """Stop the core's metrics and step log; call `no_text` after each add_request."""
-    core.metrics = _NullMetrics()
+    core.log_stats = False  # the core skips its metric bookkeeping
+    core.metrics = _NullMetrics()  # and what it still records goes nowhere
     core.step_observer = None
 
 
 def no_text(core: EngineCore, request_id: str) -> None:
     """The request's output carries no text (its sampling must have no stop strings)."""
-    core.detoks[request_id] = NO_TEXT
+    core.detoks[request_id] = None

@@ -29,7 +29,7 @@ from kvmesh.protocol.stats import percentile
 from kvmesh.sim import agents_cli
 from kvmesh.sim.agents_cli import add_agent_args
 from kvmesh.sim.fleet import FleetSim, FleetSimConfig, SimRecord
-from kvmesh.sim.fleet_args import add_fleet_args, engine_flags, fleet_config
+from kvmesh.sim.fleet_args import add_fleet_args, engine_flags, fleet_config, kv_move_flags
 from kvmesh.sim.requests import (  # noqa: F401 - trace_requests is this module's API too
     hit_ceiling,
     load_requests,
@@ -128,8 +128,9 @@ def _configs(
     layout: str = "",
     gpus: int = 0,
     engine_flags: tuple[str, ...] = (),
+    **kv_moves: int,
 ) -> FleetSimConfig:
-    return fleet_config(serve_args, engines, scrape, seed, layout, gpus, engine_flags)
+    return fleet_config(serve_args, engines, scrape, seed, layout, gpus, engine_flags, **kv_moves)
 
 
 def run_policy(
@@ -179,6 +180,7 @@ def main(args: argparse.Namespace) -> int:
             args.layout,
             args.gpus,
             engine_flags(args),
+            **kv_move_flags(args),
         )
     except SystemExit as exc:
         print(f"kvmesh sim: bad --serve-args: {exc}", file=sys.stderr)

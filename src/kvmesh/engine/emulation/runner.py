@@ -10,6 +10,7 @@ the tokens are the same stream.
 from __future__ import annotations
 
 import logging
+from functools import partial
 from types import SimpleNamespace
 
 from kvmesh.engine.emulation.latency import LatencyModel, SequenceWork
@@ -31,6 +32,9 @@ FILLER_TEXT = (
     " request to the engine that already holds its prefix."
 )
 
+
+# SequenceWork(*fields) without the namedtuple's Python-level __new__ (one row a request a step)
+_new_work = partial(tuple.__new__, SequenceWork)
 
 # named bandwidths of the links offloaded KV crosses (bytes/s)
 PCIE_BANDWIDTH = 50e9  # host DRAM <-> device: PCIe 5.0 x16, as copies achieve it
@@ -68,6 +72,7 @@ class EmulatedRunner(ModelRunner):
         self.pending_store_time = 0.0  # device -> tier copies, overlapped with the next step
         self.modelled_loads: dict[str, float] = {}  # medium -> seconds of loads modelled so far
         self.filler = tokenizer.encode(FILLER_TEXT, add_special_tokens=False) or [0]
+        self._stream_starts: dict[str, int] = {}  # request id -> its offset in the filler
         self.last_step_time = 0.0
         self.predicted_time_total = 0.0
         self.clock = 0.0  # emulated seconds: steps and idle waits for loads
@@ -91,22 +96,47 @@ class EmulatedRunner(ModelRunner):
 
     def stream_token(self, request: Request, index: int) -> int:
         """The emulated output token at output position `index` of `request`."""
-        n = len(self.filler)
-        start = sum(request.prompt_token_ids[-4:]) % n
-        return self.filler[(start + index) % n]
+        return self.filler[(self._stream_start(request) + index) % len(self.filler)]
+
+    def stream_tokens(self, request: Request, first: int, count: int) -> list[int]:
+        """The emulated output tokens at output positions first, ..., first + count - 1."""
+        filler, n = self.filler, len(self.filler)
+        start = self._stream_start(request) + first
+        if count == 1:
+            return [filler[start % n]]
+        return [filler[(start + j) % n] for j in range(count)]
+
+    def _stream_start(self, request: Request) -> int:
+        """Where the request's stream starts in the filler (kept until release())."""
+        start = self._stream_starts.get(request.request_id)
+        if start is None:
+            start = sum(request.prompt_token_ids[-4:]) % len(self.filler)
+            self._stream_starts[request.request_id] = start
+        return start
+
+    def release(self, request_id: str) -> None:
+        self._stream_starts.pop(request_id, None)
 
     def execute(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> SampledTokens:
         drafted = self.acceptance is not None and self.acceptance.method in MODEL_DRAFTERS
-        work = [
-            SequenceWork(
-                s.num_scheduled_tokens,
-                s.request.num_computed_tokens,
-                s.num_tokens > 1 or s.request.num_output_tokens == 0,
-                len(s.spec_token_ids),
-                len(s.spec_token_ids) if drafted else 0,
+        work: list[SequenceWork] = []
+        samplers = []  # the scheduled requests whose step yields a token
+        for s in out.scheduled:
+            req, num_known, num_spec = s.request, s.num_tokens, len(s.spec_token_ids)
+            num_computed = req.num_computed_tokens
+            work.append(
+                _new_work(
+                    (
+                        num_known + num_spec,
+                        num_computed,
+                        num_known > 1 or not req.output_token_ids,
+                        num_spec,
+                        num_spec if drafted else 0,
+                    )
+                )
             )
-            for s in out.scheduled
-        ]
+            if num_computed + num_known == len(req.all_token_ids):  # s.samples
+                samplers.append(s)
         slowdown = self.slowdown * (self.faults.config.slowdown if self.faults else 1.0)
         compute = self.latency.step_time(work) * slowdown
         # stores overlap compute on the copy engine; loads must land before the step reads them
@@ -116,16 +146,15 @@ class EmulatedRunner(ModelRunner):
         self.clock += self.last_step_time
         self.num_steps += 1
         sampled: SampledTokens = {}
-        for item in out.scheduled:
-            if not item.samples:
-                continue
-            req, first = item.request, item.request.num_output_tokens
+        for item in samplers:
+            req = item.request
+            first = len(req.output_token_ids)
             accepted = 0
             if item.spec_token_ids and self.acceptance is not None:
                 accepted = self.acceptance.num_accepted(
                     item.spec_token_ids, lambda j, r=req, f=first: self.stream_token(r, f + j)
                 )
-            tokens = [self.stream_token(req, first + j) for j in range(accepted + 1)]
+            tokens = self.stream_tokens(req, first, accepted + 1)
             logprobs = [[(t, 0.0)] for t in tokens] if req.sampling.logprobs is not None else None
             sampled[req.request_id] = (tokens, logprobs)
         return sampled

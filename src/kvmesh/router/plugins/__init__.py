@@ -1,5 +1,6 @@
 """Scheduling plugins, llm-d style: filters narrow the candidate endpoints, scorers map each to
-[0, 1] and do nothing else, pickers choose among weighted totals, profile handlers say which
+[0, 1] (a list aligned with the endpoints given) and do nothing else, pickers choose among
+weighted totals (aligned likewise), profile handlers say which
 profiles run. Every type is registered in one table (registry) by name, with its parameters and
 factory; each declares what it reads (base.Plugin). Prefix matches are looked up once per
 request by the pipeline into the SchedulingState (state), which every plugin reads."""

@@ -57,15 +57,21 @@ class Filter(Protocol):
 
 
 class Scorer(Protocol):
+    """Maps each endpoint to a score in [0, 1]: a list, one score per endpoint in the order
+    given (the pipeline runs it over hundreds of endpoints per request: no dict per scorer;
+    ProfileResult.scores keys them by name when read)."""
+
     name: str
 
-    def score(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> dict[str, float]: ...
+    def score(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> list[float]: ...
 
 
 class Picker(Protocol):
+    """Chooses one of `endpoints` from `totals`, their weighted totals in the same order."""
+
     name: str
 
-    def pick(self, totals: dict[str, float], endpoints: list[Endpoint]) -> Endpoint: ...
+    def pick(self, totals: list[float], endpoints: list[Endpoint]) -> Endpoint: ...
 
 
 class PluginContext(Protocol):

@@ -32,11 +32,11 @@ class PrefillBacklogScorer(PrefixReader):
         if self.scale_tokens <= 0:
             raise ValueError(f"{self.name}: scaleTokens must be positive, got {self.scale_tokens}")
 
-    def score(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> dict[str, float]:
-        uncached = req.state.uncached_tokens
-        cost = {e.name: e.pending_prefill_tokens + uncached(e.name) for e in endpoints}
-        best = min(cost.values(), default=0)
-        return {k: max(0.0, 1.0 - (c - best) / self.scale_tokens) for k, c in cost.items()}
+    def score(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> list[float]:
+        uncached = req.state.uncached_of(endpoints)
+        cost = [e.pending_prefill_tokens + u for e, u in zip(endpoints, uncached, strict=True)]
+        best = min(cost, default=0)
+        return [max(0.0, 1.0 - (c - best) / self.scale_tokens) for c in cost]
 
 
 @dataclass(slots=True)
@@ -66,34 +66,23 @@ class PlacementCostScorer(PrefixReader):
                 raise ValueError(f"{self.name}: {key} must be >= 0, got {value}")
 
     def costs(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> list[float]:
-        """Each endpoint's placement cost, in tokens of prefill, in the order given (one pass,
-        no call per endpoint: the router's hottest scorer)."""
-        state, prompt = req.state, len(req.token_ids)
-        held, whole, block = state.held(), max(0, state.prompt_tokens), state.block_size
+        """Each endpoint's placement cost, in tokens of prefill, in the order given. Its batch
+        is scorers.requests_in_flight, inline: one pass, the router's hottest scorer."""
+        prompt = len(req.token_ids)
         decode_weight, waiting_weight = self.decode_weight, self.waiting_weight
-        cost: list[float] = []
-        for e in endpoints:
-            blocks = held.get(e.name) if held else None  # as state.uncached_tokens
-            uncached = max(0, whole - int(blocks * block)) if blocks else whole
-            waiting = e.waiting
-            engine_side = e.running + waiting
-            batch = e.in_flight if e.in_flight > engine_side else engine_side
-            cost.append(
-                e.pending_prefill_tokens
-                + uncached * (1.0 + decode_weight * batch)
-                + waiting_weight * waiting * prompt
+        return [
+            e.pending_prefill_tokens
+            + uncached
+            * (
+                1.0
+                + decode_weight * (f if (f := e.in_flight) > (g := e.running + e.waiting) else g)
             )
-        return cost
+            + waiting_weight * e.waiting * prompt
+            for e, uncached in zip(endpoints, req.state.uncached_of(endpoints), strict=True)
+        ]
 
-    def score(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> dict[str, float]:
+    def score(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> list[float]:
         cost = self.costs(req, endpoints)
-        n = max(1, len(req.token_ids))
-        best = cost[0] if cost else 0.0
-        for c in cost:
-            if c < best:
-                best = c
-        best += n
-        out = {}
-        for i, e in enumerate(endpoints):
-            out[e.name] = best / (cost[i] + n)
-        return out
+        n = len(req.token_ids) or 1
+        best = (min(cost) if cost else 0.0) + n
+        return [best / (c + n) for c in cost]

@@ -1,5 +1,6 @@
 """Prefix scorers: what each endpoint holds of the prompt, read from the scheduling state
-(looked up once per request over every candidate, never by a scorer)."""
+(looked up once per request over every candidate, never by a scorer). Each returns a score in
+[0, 1] per endpoint, in the order given."""
 
 from __future__ import annotations
 
@@ -8,24 +9,26 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvmesh.router.plugins.base import Plugin, PrefixReader, SchedulingRequest
-from kvmesh.router.plugins.scorers import zeros
 
 if TYPE_CHECKING:
     from kvmesh.router.endpoints import Endpoint
 
 
 def match_scores(
-    hits: Mapping[str, float], endpoints: list[Endpoint], total: int, threshold: float
-) -> dict[str, float]:
-    """Each endpoint's held fraction of the prompt; all 0 when even the best of `endpoints` is
-    below `threshold` (a match that short, e.g. a system prompt every session shares, is not
-    worth following: placing the request by load spreads new contexts instead)."""
+    hits: Mapping[str, float], names: list[str], total: int, threshold: float
+) -> list[float]:
+    """The held fraction of the prompt of each endpoint (named, in order); all 0 when even the
+    best of them is below `threshold` (a match that short, e.g. a system prompt every session
+    shares, is not worth following: placing the request by load spreads new contexts)."""
     if not hits or not total:  # nothing held anywhere (a short or cold prompt): all 0
-        return zeros(endpoints)
-    held = {e.name: hits.get(e.name, 0) for e in endpoints}
-    if threshold > 0 and max(held.values(), default=0) < threshold * total:
-        return dict.fromkeys(held, 0.0)
-    return {name: h / total for name, h in held.items()}
+        return [0.0] * len(names)
+    held = hits.get
+    if threshold <= 0:
+        return [held(name, 0) / total for name in names]
+    blocks = [held(name, 0) for name in names]
+    if max(blocks, default=0) < threshold * total:
+        return [0.0] * len(names)
+    return [h / total for h in blocks]
 
 
 @dataclass(slots=True)
@@ -37,9 +40,10 @@ class PrecisePrefixScorer(Plugin):
     name: str
     threshold: float = 0.0  # matchThreshold: a best match below this fraction scores 0
 
-    def score(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> dict[str, float]:
+    def score(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> list[float]:
         state = req.state
-        return match_scores(state.precise, endpoints, state.total_blocks, self.threshold)
+        names = state.names(endpoints)
+        return match_scores(state.precise, names, state.total_blocks, self.threshold)
 
 
 @dataclass(slots=True)
@@ -51,9 +55,10 @@ class ApproxPrefixScorer(Plugin):
     name: str
     threshold: float = 0.0  # matchThreshold, as the precise scorer's
 
-    def score(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> dict[str, float]:
+    def score(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> list[float]:
         state = req.state
-        return match_scores(state.approximate, endpoints, state.total_blocks, self.threshold)
+        names = state.names(endpoints)
+        return match_scores(state.approximate, names, state.total_blocks, self.threshold)
 
 
 @dataclass(slots=True)
@@ -73,21 +78,16 @@ class NoHitLRUScorer(PrefixReader):
             return req.state.best_fraction() <= self.threshold
         return req.state.best_blocks() <= 0
 
-    def score(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> dict[str, float]:
-        out: dict[str, float] = {}
+    def score(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> list[float]:
         if not self.cold(req):
-            for e in endpoints:
-                out[e.name] = 0.5
-            return out
-        last = self.last_cold.get
-        # least recently chosen first (never chosen: before all, in the order given)
-        stamps = []
-        for e in endpoints:
-            stamps.append((last(e.name, -1), len(stamps), e.name))
-        stamps.sort()
+            return [0.5] * len(endpoints)
+        # least recently chosen first (never chosen: before all); a stable sort keeps the
+        # order given among equals
+        stamps = [self.last_cold.get(name, -1) for name in req.state.names(endpoints)]
         n = max(1, len(endpoints) - 1)
-        for rank, (_, _, name) in enumerate(stamps):
-            out[name] = 1.0 - rank / n
+        out = [0.0] * len(endpoints)
+        for rank, i in enumerate(sorted(range(len(stamps)), key=stamps.__getitem__)):
+            out[i] = 1.0 - rank / n
         return out
 
     def chosen(self, req: SchedulingRequest, endpoint: Endpoint) -> None:

@@ -1,4 +1,7 @@
-"""Load and affinity scorers: each maps every candidate endpoint to a score in [0, 1]."""
+"""Load and affinity scorers: each maps every candidate endpoint to a score in [0, 1] (a list,
+in the order of the endpoints given). Plain comprehensions, no builtin call per endpoint: run
+for every request over every candidate, they are the router's hot path at hundreds of
+endpoints (a conditional stands for each min/max, with its tie and NaN rules)."""
 
 from __future__ import annotations
 
@@ -15,53 +18,43 @@ if TYPE_CHECKING:
 MAX_SESSIONS = 100_000  # session bindings kept, least recently bound dropped first
 
 
-def zeros(endpoints: list[Endpoint]) -> dict[str, float]:
-    """0.0 for every endpoint."""
-    out = {}
-    for e in endpoints:
-        out[e.name] = 0.0
-    return out
-
-
-def spread(endpoints: list[Endpoint], values: list[float]) -> dict[str, float]:
-    """(max - v) / (max - min) of `values` (one per endpoint, in order: lower is better); 1.0
-    for all when equal, as every request finds an idle fleet. Plain loops: per request, on the
-    router's hot path, they cost a third of min/max/zip and comprehensions."""
+def spread(values: list[float]) -> list[float]:
+    """(max - v) / (max - min) of each of `values` (lower is better); 1.0 for all when equal,
+    as every request finds an idle fleet."""
     lo = hi = values[0]
-    for v in values:
+    for v in values:  # (over a few endpoints a loop costs less than min and max)
         if v < lo:
             lo = v
         elif v > hi:
             hi = v
-    out = {}
     if hi == lo:
-        for e in endpoints:
-            out[e.name] = 1.0
-        return out
+        return [1.0] * len(values)
     span = hi - lo
-    for i, e in enumerate(endpoints):
-        out[e.name] = (hi - values[i]) / span
-    return out
+    return [(hi - v) / span for v in values]
+
+
+def requests_in_flight(endpoints: list[Endpoint]) -> list[float]:
+    """Each endpoint's requests in flight through this router, with the engine's running +
+    waiting as a floor (other routers' requests, or counts this router lost)."""
+    return [
+        f if (f := e.in_flight) > (engine := e.running + e.waiting) else engine for e in endpoints
+    ]
 
 
 @dataclass(slots=True)
 class QueueScorer(Plugin):
     name: str
 
-    def score(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> dict[str, float]:
-        return spread(endpoints, [e.waiting for e in endpoints])
+    def score(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> list[float]:
+        return spread([e.waiting for e in endpoints])
 
 
 @dataclass(slots=True)
 class KVCacheUtilizationScorer(Plugin):
     name: str
 
-    def score(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> dict[str, float]:
-        out = {}
-        for e in endpoints:
-            free = 1.0 - e.kv_usage
-            out[e.name] = free if free > 0.0 else 0.0
-        return out
+    def score(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> list[float]:
+        return [free if (free := 1.0 - e.kv_usage) > 0.0 else 0.0 for e in endpoints]
 
 
 @dataclass(slots=True)
@@ -70,12 +63,8 @@ class ActiveRequestScorer(Plugin):
 
     name: str
 
-    def score(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> dict[str, float]:
-        values = []
-        for e in endpoints:
-            engine_side = e.running + e.waiting
-            values.append(e.in_flight if e.in_flight > engine_side else engine_side)
-        return spread(endpoints, values)
+    def score(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> list[float]:
+        return spread(requests_in_flight(endpoints))
 
 
 @dataclass(slots=True)
@@ -86,8 +75,9 @@ class TokenLoadScorer(Plugin):
     name: str
     threshold: int
 
-    def score(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> dict[str, float]:
-        return {e.name: 1.0 - min(1.0, e.in_flight_tokens / self.threshold) for e in endpoints}
+    def score(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> list[float]:
+        t = self.threshold  # 1 - min(1, tokens / t)
+        return [1.0 - f if (f := e.in_flight_tokens / t) < 1.0 else 0.0 for e in endpoints]
 
 
 @dataclass(slots=True)
@@ -95,8 +85,9 @@ class LoadAwareScorer(Plugin):
     name: str
     threshold: int
 
-    def score(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> dict[str, float]:
-        return {e.name: 0.5 * max(0.0, 1.0 - e.waiting / self.threshold) for e in endpoints}
+    def score(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> list[float]:
+        t = self.threshold  # 0.5 * max(0, 1 - waiting / t)
+        return [0.5 * (f if (f := 1.0 - e.waiting / t) > 0.0 else 0.0) for e in endpoints]
 
 
 @dataclass(slots=True)
@@ -108,12 +99,13 @@ class SessionAffinityScorer(Plugin):
     ttl: float
     bindings: OrderedDict = field(default_factory=OrderedDict)
 
-    def score(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> dict[str, float]:
+    def score(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> list[float]:
         session = req.headers.get(self.header)
         bound = self.bindings.get(session) if session else None
         if bound is None or bound[1] < time.monotonic():
-            return zeros(endpoints)
-        return {e.name: 1.0 if e.name == bound[0] else 0.0 for e in endpoints}
+            return [0.0] * len(endpoints)
+        name = bound[0]
+        return [1.0 if e.name == name else 0.0 for e in endpoints]
 
     def chosen(self, req: SchedulingRequest, endpoint: Endpoint) -> None:
         session = req.headers.get(self.header)

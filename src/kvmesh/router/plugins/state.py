@@ -23,10 +23,25 @@ NO_MATCH: Mapping = MappingProxyType({})
 
 
 class ProfileResult(NamedTuple):
+    """One profile's pick. A pass keeps its scores as lists aligned with `endpoints` (the
+    candidates its filters left, in order); `totals` and `scores` key them by endpoint name
+    when read (debug logs, tests), so a pass over hundreds of endpoints builds no dicts."""
+
     endpoint: Endpoint | None
-    totals: dict[str, float]
-    scores: dict[str, dict[str, float]]  # scorer name -> endpoint -> score in [0, 1]
-    endpoints: Sequence[Endpoint] = ()  # the candidates its filters left
+    endpoints: Sequence[Endpoint]
+    total_values: Sequence[float]  # the weighted total of each of `endpoints`
+    score_values: Mapping[str, Sequence[float]]  # scorer name -> score of each, in [0, 1]
+
+    @property
+    def totals(self) -> dict[str, float]:
+        """Endpoint name -> weighted total."""
+        return dict(zip([e.name for e in self.endpoints], self.total_values, strict=True))
+
+    @property
+    def scores(self) -> dict[str, dict[str, float]]:
+        """Scorer name -> endpoint name -> score in [0, 1]."""
+        names = [e.name for e in self.endpoints]
+        return {k: dict(zip(names, v, strict=True)) for k, v in self.score_values.items()}
 
 
 class SchedulingResult(NamedTuple):
@@ -54,6 +69,9 @@ class SchedulingState:
     _basis: tuple[Mapping, Mapping] | None = field(default=None, repr=False, compare=False)
     _held: dict[str, float] = field(default_factory=dict, repr=False, compare=False)
     _best: float = field(default=0.0, repr=False, compare=False)
+    # the names of the candidate list `_names_for` (every plugin reads them)
+    _names_for: Sequence | None = field(default=None, init=False, repr=False, compare=False)
+    _names: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
     @classmethod
     def of(cls, req: SchedulingRequest) -> SchedulingState:
@@ -70,10 +88,14 @@ class SchedulingState:
         """Fill each match not filled yet from its index, when given (`keys`: the request's)."""
         if not keys:
             return
-        names = names if isinstance(names, list) else list(names)
-        if precise_index is not None and self.precise is NO_MATCH:
+        precise = precise_index is not None and self.precise is NO_MATCH
+        approximate = approximate_index is not None and self.approximate is NO_MATCH
+        if not (precise or approximate):
+            return
+        names = set(names)  # each index reads a set as given: built once for both
+        if precise:
             self.precise = precise_index.longest_match(keys, names)
-        if approximate_index is not None and self.approximate is NO_MATCH:
+        if approximate:
             self.approximate = approximate_index.longest_match(keys, names)
 
     def held(self) -> Mapping[str, float]:
@@ -85,18 +107,52 @@ class SchedulingState:
             if not p and not a:  # nothing held anywhere (or not looked up): the common cold case
                 self._held, self._basis, self._best = {}, (p, a), 0.0
                 return self._held
-            if not a:
+            # max(precise, 0, approximate) per endpoint; C-level copy and max where no precise
+            # match is below 0 (so always, with medium weights in [0, 1])
+            if not p or min(p.values()) >= 0:  # (matches are never changed: p may be shared)
+                held = dict(p) if a else p
+                for k, w in a.items():
+                    v = held.get(k, 0.0)
+                    held[k] = w if w > v else v
+            elif not a:
                 held = {k: max(v, 0) for k, v in p.items()}
             else:
                 held = {k: max(p.get(k, 0.0), a.get(k, 0)) for k in (p.keys() | a.keys())}
+            best = max(held.values(), default=0.0)
             # an engine computes the prompt's last token whatever it holds (vLLM's rule, and
             # ours): a prompt of whole blocks gets at most all but its last block from cache
             servable = (self.prompt_tokens - 1) // self.block_size  # (no ids given: no cap)
-            if 0 <= servable < self.total_blocks:
+            if 0 <= servable < self.total_blocks and not best <= servable:
                 held = {k: min(v, servable) for k, v in held.items()}
-            self._held, self._basis = held, (p, a)
-            self._best = max(held.values(), default=0.0)
+                best = max(held.values())
+            self._held, self._basis, self._best = held, (p, a), best
         return self._held
+
+    def names(self, endpoints: Sequence[Endpoint]) -> list[str]:
+        """The names of `endpoints`, in order, listed once per candidate list of the pass (a
+        profile gives all its plugins one list). Read-only for callers."""
+        if endpoints is not self._names_for:
+            self._names_for, self._names = endpoints, [e.name for e in endpoints]
+        return self._names
+
+    def uncached_of(self, endpoints: Sequence[Endpoint]) -> list[int]:
+        """uncached_tokens of each of `endpoints`, in order."""
+        held = self.held()
+        if not held:
+            return [max(0, self.prompt_tokens)] * len(endpoints)
+        names, uncached = self.names(endpoints), self._uncached
+        if len(names) <= 8:
+            return [uncached(held.get(name)) for name in names]
+        # once per distinct match: many endpoints hold the same prefix (a system prompt)
+        of = {b: uncached(b) for b in set(held.values())}
+        of[None] = uncached(None)
+        return list(map(of.__getitem__, map(held.get, names)))
+
+    def _uncached(self, blocks: float | None) -> int:
+        """Prompt tokens an endpoint holding `blocks` leading blocks (None: none) computes."""
+        if not blocks:
+            return max(0, self.prompt_tokens)
+        return max(0, self.prompt_tokens - int(blocks * self.block_size))
 
     def blocks_cached(self, endpoint: str) -> float:
         """Leading prompt blocks `endpoint` is known to hold and would serve from cache: the
@@ -106,10 +162,7 @@ class SchedulingState:
 
     def uncached_tokens(self, endpoint: str) -> int:
         """Prompt tokens `endpoint` would compute: the prompt less its cached prefix."""
-        blocks = self.held().get(endpoint)
-        if not blocks:
-            return max(0, self.prompt_tokens)
-        return max(0, self.prompt_tokens - int(blocks * self.block_size))
+        return self._uncached(self.held().get(endpoint))
 
     def best_blocks(self) -> float:
         """The most leading blocks any endpoint is known to hold."""
