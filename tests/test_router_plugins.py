@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvmesh.router.endpoints import Endpoint
 from kvmesh.router.pipeline import PRESETS, Pipeline, Profile
@@ -154,6 +156,20 @@ def test_no_hit_lru_spreads_cold_requests_and_is_neutral_when_warm():
     assert by_name(e, plugin.score(cold, e)) == {"c": 1.0, "a": 0.5, "b": 0.0}
     warm = with_state(req(), e, Indexes(precise={"a": 1.0}))
     assert by_name(e, plugin.score(warm, e)) == {"a": 0.5, "b": 0.5, "c": 0.5}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(min_value=-1, max_value=5), min_size=1, max_size=10))
+def test_no_hit_lru_ranks_least_recent_first_stably_at_any_fleet_size(stamps):
+    """Over a few endpoints ranks are counted, over more sorted: both are the stable order of
+    last cold pick (never picked first), scored 1 - rank / (n - 1)."""
+    plugin = build_plugin("no-hit-lru-scorer", "n", {}, Indexes())
+    e = eps(**{f"e{i}": (0, 0, 0) for i in range(len(stamps))})
+    plugin.last_cold.update({f"e{i}": s for i, s in enumerate(stamps) if s >= 0})
+    order = sorted(range(len(stamps)), key=lambda i: stamps[i] if stamps[i] >= 0 else -1)
+    n = max(1, len(stamps) - 1)
+    want = {f"e{i}": 1.0 - rank / n for rank, i in enumerate(order)}
+    assert by_name(e, plugin.score(with_state(req(), e, Indexes()), e)) == want
 
 
 def test_filters():

@@ -67,22 +67,29 @@ class PlacementCostScorer(PrefixReader):
 
     def costs(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> list[float]:
         """Each endpoint's placement cost, in tokens of prefill, in the order given. Its batch
-        is scorers.requests_in_flight, inline: one pass, the router's hottest scorer."""
+        is scorers.requests_in_flight, inline: one loop, the router's hottest scorer."""
         prompt = len(req.token_ids)
         decode_weight, waiting_weight = self.decode_weight, self.waiting_weight
-        return [
-            e.pending_prefill_tokens
-            + uncached
-            * (
-                1.0
-                + decode_weight * (f if (f := e.in_flight) > (g := e.running + e.waiting) else g)
+        out = []
+        for e, uncached in zip(endpoints, req.state.uncached_of(endpoints), strict=True):
+            f, waiting = e.in_flight, e.waiting
+            g = e.running + waiting
+            out.append(
+                e.pending_prefill_tokens
+                + uncached * (1.0 + decode_weight * (f if f > g else g))
+                + waiting_weight * waiting * prompt
             )
-            + waiting_weight * e.waiting * prompt
-            for e, uncached in zip(endpoints, req.state.uncached_of(endpoints), strict=True)
-        ]
+        return out
 
     def score(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> list[float]:
         cost = self.costs(req, endpoints)
         n = len(req.token_ids) or 1
-        best = (min(cost) if cost else 0.0) + n
-        return [best / (c + n) for c in cost]
+        best = cost[0] if cost else 0.0
+        for c in cost:
+            if c < best:
+                best = c
+        best += n
+        out = []
+        for c in cost:
+            out.append(best / (c + n))
+        return out

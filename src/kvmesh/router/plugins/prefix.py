@@ -83,8 +83,19 @@ class NoHitLRUScorer(PrefixReader):
             return [0.5] * len(endpoints)
         # least recently chosen first (never chosen: before all); a stable sort keeps the
         # order given among equals
-        stamps = [self.last_cold.get(name, -1) for name in req.state.names(endpoints)]
+        last_cold, stamps = self.last_cold, []
+        for name in req.state.names(endpoints):
+            stamps.append(last_cold.get(name, -1))
         n = max(1, len(endpoints) - 1)
+        if n < 4:  # a few endpoints: each one's rank counted, cheaper than a sort
+            out = []
+            for i, s in enumerate(stamps):
+                rank = 0
+                for j, t in enumerate(stamps):
+                    if t < s or (t == s and j < i):
+                        rank += 1
+                out.append(1.0 - rank / n)
+            return out
         out = [0.0] * len(endpoints)
         for rank, i in enumerate(sorted(range(len(stamps)), key=stamps.__getitem__)):
             out[i] = 1.0 - rank / n

@@ -142,7 +142,10 @@ class SchedulingState:
             return [max(0, self.prompt_tokens)] * len(endpoints)
         names, uncached = self.names(endpoints), self._uncached
         if len(names) <= 8:
-            return [uncached(held.get(name)) for name in names]
+            out = []
+            for name in names:
+                out.append(uncached(held.get(name)))
+            return out
         # once per distinct match: many endpoints hold the same prefix (a system prompt)
         of = {b: uncached(b) for b in set(held.values())}
         of[None] = uncached(None)
