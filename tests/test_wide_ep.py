@@ -9,14 +9,18 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvmesh.bench.ep_bench import decode_only
 from kvmesh.bench.ep_load import ClosedLoop, Traffic
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.emulation.dp_group import DPGroup, pick_dp_rank
 from kvmesh.engine.emulation.expert_load import ExpertRouting, expert_placement
+from kvmesh.engine.emulation.instance_roofline import draft_loads, rank_load
 from kvmesh.engine.emulation.latency import ACCELERATORS, LINKS, MODELS, SequenceWork
 from kvmesh.engine.emulation.wide_ep import TensorParallelRoofline, WideEPRoofline
+from kvmesh.engine.emulation.work import draft_passes
 from kvmesh.engine.sequence import Request, SamplingParams
 
 H200, GLM = ACCELERATORS["h200"], MODELS["glm-5.2-moe"]
@@ -209,3 +213,33 @@ def test_high_throughput_all_to_all_sends_a_token_once_per_remote_node():
     assert high.step_cost(prefill).comm < low.comm / 2  # ~4 of 8 picks cross, now one copy
     with pytest.raises(ValueError, match="all2all-backend"):
         WideEPRoofline(H200, GLM, 16, all2all_backend="nccl")
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(
+        st.lists(
+            st.tuples(
+                st.integers(1, 4), st.integers(0, 9000), st.integers(0, 3), st.integers(0, 3)
+            ),
+            max_size=5,
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    st.booleans(),
+)
+def test_draft_loads_are_the_sums_of_the_drafter_rows(ranks, dummy):
+    """The drafter's per-rank sums, taken in one pass, equal those of its rows as
+    work.draft_passes lists them (one row per drafting request and draft position)."""
+    works = [
+        [SequenceWork(new, ctx, False, min(spec, new - 1), passes) for new, ctx, spec, passes in ws]
+        for ws in ranks
+    ]
+    got = draft_loads(works, dummy)
+    want = [rank_load(rows, dummy) for rows in draft_passes(works)]
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        for a, b in zip(g[:3], w[:3], strict=True):
+            assert a.tolist() == b.tolist()
+        assert g.idle == w.idle

@@ -19,6 +19,7 @@ from kvmesh.sim.ablation_cli import add_cost_args
 from kvmesh.sim.agents import AgentConfig, ClosedLoop
 from kvmesh.sim.agents_report import knee, loop_ceiling, print_knee, print_loop_row, summarize_loop
 from kvmesh.sim.fleet import FleetSim, FleetSimConfig
+from kvmesh.sim.quiet import long_lived_fleet
 
 
 def agent_counts(text: str) -> list[int]:
@@ -89,7 +90,8 @@ def run_agents(
     sim = FleetSim(config, policy, load_tokenizer(config.engine.model)[0])
     loop = ClosedLoop(sim, agents)
     t0 = time.perf_counter()
-    loop.run()
+    with long_lived_fleet():
+        loop.run()
     wall = time.perf_counter() - t0
     value = loop_ceiling(loop, config.engine.block_size) if ceiling else None
     summary = summarize_loop(loop, value)

@@ -30,6 +30,7 @@ from kvmesh.sim import agents_cli
 from kvmesh.sim.agents_cli import add_agent_args
 from kvmesh.sim.fleet import FleetSim, FleetSimConfig, SimRecord
 from kvmesh.sim.fleet_args import add_fleet_args, engine_flags, fleet_config, kv_move_flags
+from kvmesh.sim.quiet import long_lived_fleet
 from kvmesh.sim.requests import (  # noqa: F401 - trace_requests is this module's API too
     hit_ceiling,
     load_requests,
@@ -141,9 +142,12 @@ def run_policy(
     sim = FleetSim(config, policy, load_tokenizer(config.engine.model)[0])
     t0 = time.perf_counter()
     show = progress and sys.stderr.isatty()
-    with tqdm(
-        total=len(requests), desc=name, unit="req", leave=False, mininterval=5, disable=not show
-    ) as bar:
+    with (
+        tqdm(
+            total=len(requests), desc=name, unit="req", leave=False, mininterval=5, disable=not show
+        ) as bar,
+        long_lived_fleet(),
+    ):
         records = sim.run(requests, lambda n: bar.update(n - bar.n))
     summary = summarize(records, len(sim.engines))
     summary["sim_wall_s"] = round(time.perf_counter() - t0, 1)

@@ -11,7 +11,6 @@ import numpy as np
 
 from kvmesh.engine.emulation.expert_load import ExpertRouting
 from kvmesh.engine.emulation.latency import AcceleratorSpec, LinkSpec, ModelSpec, SequenceWork
-from kvmesh.engine.emulation.work import draft_passes
 
 
 class StepCost(NamedTuple):
@@ -32,15 +31,43 @@ class RankLoad(NamedTuple):
 def rank_load(works: Sequence[Sequence[SequenceWork]], dummy: bool) -> RankLoad:
     tokens, attended, kv = [], [], []
     for work in works:
-        tokens.append(sum(w.num_new_tokens for w in work))
-        attended.append(
-            sum(
-                w.num_new_tokens * w.num_context_tokens
-                + w.num_new_tokens * (w.num_new_tokens + 1) / 2
-                for w in work
-            )
-        )
-        kv.append(sum(w.num_context_tokens + w.num_new_tokens for w in work))
+        n = a = k = 0
+        for w in work:
+            new, ctx = w.num_new_tokens, w.num_context_tokens
+            n += new
+            a += new * ctx + new * (new + 1) / 2
+            k += ctx + new
+        tokens.append(n)
+        attended.append(a)
+        kv.append(k)
+    return _load(tokens, attended, kv, dummy)
+
+
+def draft_loads(works: Sequence[Sequence[SequenceWork]], dummy: bool) -> list[RankLoad]:
+    """Per draft position j, the per-rank sums of the drafter's j-th pass: one row of one new
+    token for every request whose drafts took more than j passes, at the context the draft saw
+    (work.draft_passes lists those rows; summed here without them)."""
+    depth = 0
+    for ws in works:
+        for w in ws:
+            if w.num_draft_passes > depth:
+                depth = w.num_draft_passes
+    loads = []
+    for j in range(depth):
+        tokens, context = [], []
+        for ws in works:
+            n = c = 0
+            for w in ws:
+                if w.num_draft_passes > j:
+                    n += 1
+                    c += w.num_context_tokens + w.num_new_tokens - w.num_spec_tokens + j
+            tokens.append(n)
+            context.append(c + n)  # one new token each: attends to and reads its context + 1
+        loads.append(_load(tokens, context, context, dummy))
+    return loads
+
+
+def _load(tokens: list, attended: list, kv: list, dummy: bool) -> RankLoad:
     t, a, k = (np.array(x, dtype=float) for x in (tokens, attended, kv))
     idle = t == 0
     if dummy:  # vLLM's dummy run: one token, no context
@@ -85,17 +112,25 @@ class InstanceRoofline(abc.ABC):
     def kv_capacity_bytes(self) -> float:
         """KV cache bytes of one DP rank."""
 
+    # idle ranks run vLLM's one-token dummy batch (DP ranks step together); else they wait
+    dummy_rank: bool = False
+
     @abc.abstractmethod
-    def _forward_cost(self, works: Sequence[Sequence[SequenceWork]]) -> StepCost:
-        """The target's pass over every rank's scheduled rows (drafts verified included)."""
+    def _load_cost(self, load: RankLoad) -> StepCost:
+        """The target's pass over the ranks' per-rank sums (drafts verified included); zero
+        when no rank has work."""
 
     def step_cost(self, works: Sequence[Sequence[SequenceWork]]) -> StepCost:
         """The target's pass, then the drafter's (kvmesh.engine.emulation.spec): per draft
         position one average layer of the instance over the drafting rows of every rank."""
-        cost = self._forward_cost(works)
-        for rows in draft_passes(works):
-            draft = self._forward_cost(rows)
-            share = 1.0 / self.model.num_layers
+        if len(works) != self.dp_size:
+            raise ValueError(f"expected {self.dp_size} rank batches, got {len(works)}")
+        cost = self._load_cost(rank_load(works, self.dummy_rank))
+        if cost.time == 0.0:
+            return cost
+        share = 1.0 / self.model.num_layers
+        for load in draft_loads(works, self.dummy_rank):
+            draft = self._load_cost(load)
             cost = cost._replace(
                 time=cost.time + max(0.0, draft.time - self.step_overhead) * share,
                 compute=cost.compute + draft.compute * share,

@@ -18,7 +18,6 @@ binomial spread of that share times the expected maximum of N normals.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from statistics import NormalDist
 
 import numpy as np
@@ -28,7 +27,6 @@ from kvmesh.engine.emulation.instance_roofline import (
     InstanceRoofline,
     RankLoad,
     StepCost,
-    rank_load,
 )
 from kvmesh.engine.emulation.latency import (
     GPUS_PER_NODE,
@@ -36,7 +34,6 @@ from kvmesh.engine.emulation.latency import (
     AcceleratorSpec,
     LinkSpec,
     ModelSpec,
-    SequenceWork,
 )
 
 # bytes per hidden element on the wire: expert-parallel all-to-all kernels (DeepEP, as vLLM's
@@ -153,12 +150,11 @@ class WideEPRoofline(InstanceRoofline):
         comm = comm + self._all_to_all(send, recv, m.hidden_size * COMBINE_BYTES)
         return dense, experts, comm, busiest / mean.mean(axis=1)
 
-    def _forward_cost(self, works: Sequence[Sequence[SequenceWork]]) -> StepCost:
-        if len(works) != self.dp_size:
-            raise ValueError(f"expected {self.dp_size} rank batches, got {len(works)}")
-        if not any(works):
+    dummy_rank = True
+
+    def _load_cost(self, load: RankLoad) -> StepCost:
+        if load.idle == self.dp_size:
             return StepCost(0.0, 0.0, 0.0, 1.0, self.dp_size)
-        load = rank_load(works, dummy=True)
         dense, experts, comm, imbalance = self._layers(load)
         compute = dense + experts  # per MoE layer
         if self.enable_dbo and load.tokens.max() >= self.dbo_threshold:
@@ -207,13 +203,11 @@ class TensorParallelRoofline(InstanceRoofline):
         per_gpu -= self.model.weight_bytes / self.tp
         return per_gpu * self.kv_split  # MLA: each GPU holds all of it, so capacity does not add
 
-    def _forward_cost(self, works: Sequence[Sequence[SequenceWork]]) -> StepCost:
-        if len(works) != 1:
-            raise ValueError(f"a TP instance takes one batch, got {len(works)}")
-        if not works[0]:
-            return StepCost(0.0, 0.0, 0.0, 1.0, 1)
-        m, load = self.model, rank_load(works, dummy=False)
+    def _load_cost(self, load: RankLoad) -> StepCost:
         tokens = float(load.tokens[0])
+        if not tokens:
+            return StepCost(0.0, 0.0, 0.0, 1.0, 1)
+        m = self.model
         dense = float(self._dense_layer_time(load, self.tp, self.kv_split)[0])
         flops = 2 * m.expert_size * tokens * m.experts_per_token / self.tp
         touched = self._touched(tokens).sum(axis=1) * self.expert_bytes / self.tp
