@@ -78,6 +78,11 @@ def test_quick_run_reports_latency_rate_cpu_and_scheduling(tmp_path: Path) -> No
     for phase in ("warm", "cold"):
         for part in ("total_ms", "tokenize_ms", "hash_ms", "schedule_ms"):
             assert micro[phase][part]["p50"] > 0 and micro[phase][part]["p99"] > 0
+    path = result["path"]
+    assert set(path["presets"]) == {"kvmesh", "precise-prefix", "round-robin"}
+    for figures in path["presets"].values():
+        for kind in ("repeated", "new"):
+            assert figures[kind]["us"] == min(figures[kind]["runs"]) > 0
     assert "kvmesh_added_p50_ms" in result["targets"]["engines_2"]["small"]
     assert result["targets"]["schedule_warm_p50_ms"] > 0
 

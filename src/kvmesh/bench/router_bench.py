@@ -18,6 +18,7 @@ from pathlib import Path
 from kvmesh.bench.router_client import Conn, completion_body, prompt_text
 from kvmesh.bench.router_client import request_bytes as raw_request
 from kvmesh.bench.router_micro import run_micro
+from kvmesh.bench.router_path import run_path
 from kvmesh.bench.router_procs import (
     ALL_TARGETS,
     Target,
@@ -50,6 +51,10 @@ EPILOG = """What is measured, for each fleet size and each router (one at a time
   scheduling     in-process: a --micro-tokens prompt over --micro-endpoints endpoints, kvmesh
                  preset, precise index holding parts of the prefix on several endpoints;
                  warm = prefix seen (tokenizer and block-hash caches hit), cold = from scratch
+  request path   in-process, no sockets: router CPU per request from the client's bytes to the
+                 answer's last byte (two endpoints answering at once), presets kvmesh,
+                 precise-prefix and round-robin, the small prompt repeated and new each time;
+                 the least of 3 rounds; repeats within a few percent, unlike the closed loop
 Pinned as in shared/reference/peers.md s7: engines + router on one CPU (taskset), this client on
 another. Peers run with warn-level logs. A peer that is not installed is skipped, with a note.
 Targets (shown, not asserted): added p50 <= 1 ms, scheduling <= 2 ms, vs the best peer.
@@ -247,6 +252,12 @@ def main(args: argparse.Namespace) -> int:
                 max(5, args.micro_repeats // 10),
                 500 if args.quick else 5000,
                 args.seed,
+            )
+            print("in-process request path ...", flush=True)
+            result["path"] = run_path(
+                ["kvmesh", "precise-prefix", "round-robin"],
+                300 if args.quick else 10_000,
+                1 if args.quick else 3,
             )
     finally:
         if before:

@@ -137,6 +137,25 @@ def print_tables(result: dict) -> None:
                 str(m["repeats"]),
             )
         con.print(t)
+    path = result.get("path")
+    if path:
+        t = Table(
+            title=(
+                "in-process request path (no sockets), router CPU us per request, the least of "
+                f"{path['rounds']} rounds of {path['requests']}"
+            )
+        )
+        for col in ("preset", "small prompt repeated", "small prompt new each time"):
+            t.add_column(col, justify="left" if col == "preset" else "right")
+        base = path["presets"].get("round-robin")
+        for preset, figures in path["presets"].items():
+            cells = []
+            for kind in ("repeated", "new"):
+                us = figures[kind]["us"]
+                over = base and preset != "round-robin"
+                cells.append(f"{us:.1f}" + (f" (+{us - base[kind]['us']:.1f})" if over else ""))
+            t.add_row(preset, *cells)
+        con.print(t)
     _print_targets(con, result["targets"])
 
 
