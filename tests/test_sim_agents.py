@@ -39,10 +39,12 @@ def tokenizer():
     return load_tokenizer(None)[0]
 
 
-def _loop(tokenizer, agents=6, duration=12.0, seed=3, policy="kvmesh", engines=2) -> ClosedLoop:
+def _loop(
+    tokenizer, agents=6, duration=12.0, seed=3, policy="kvmesh", engines=2, progress=None
+) -> ClosedLoop:
     sim = FleetSim(replay._configs("", engines, 0.1, seed), policy, tokenizer)
     loop = ClosedLoop(sim, AgentConfig(agents, duration, 2.0, seed, dict(SHAPE)))
-    loop.run()
+    loop.run(progress)
     return loop
 
 
@@ -117,8 +119,11 @@ def test_a_seed_repeats_a_run(tokenizer, loop):
             for r in sorted(lp.sim.records.values(), key=lambda r: r.rid)
         ]
 
-    again = _loop(tokenizer)
+    seen: list[float] = []  # a progress report changes nothing
+    again = _loop(tokenizer, progress=seen.append)
     assert trail(again) == trail(loop)
+    assert seen == sorted(seen) and seen[0] > 0 and seen[-1] <= 12.0
+    assert [int(t) for t in seen] == list(range(1, len(seen) + 1)) and len(seen) >= 10
     assert summarize_loop(again) == summarize_loop(loop)
     assert trail(_loop(tokenizer, seed=4)) != trail(loop)
 

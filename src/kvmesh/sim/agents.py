@@ -80,10 +80,11 @@ class ClosedLoop:
         self._next_rid = 0
         sim.on_finish = self._finished
 
-    def run(self) -> dict[str, SimRecord]:
+    def run(self, progress=None) -> dict[str, SimRecord]:
+        """`progress(now)`: called about once per simulated second."""
         for a, rng in enumerate(self._rngs):
             self._start_session(a, rng.random() * self.config.ramp)
-        self.sim.run_until(self.config.duration)
+        self.sim.run_until(self.config.duration, progress)
         return self.sim.records
 
     def _start(self, key: str, private: dict[str, int]) -> int:

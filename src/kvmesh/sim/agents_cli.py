@@ -15,6 +15,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from tqdm import tqdm
+
 from kvmesh.sim.ablation_cli import add_cost_args
 from kvmesh.sim.agents import AgentConfig, ClosedLoop
 from kvmesh.sim.agents_report import knee, loop_ceiling, print_knee, print_loop_row, summarize_loop
@@ -90,8 +92,12 @@ def run_agents(
     sim = FleetSim(config, policy, load_tokenizer(config.engine.model)[0])
     loop = ClosedLoop(sim, agents)
     t0 = time.perf_counter()
-    with long_lived_fleet():
-        loop.run()
+    show = sys.stderr.isatty()  # simulated seconds done, against wall time
+    with (
+        tqdm(total=agents.duration, desc=name, unit="sim s", leave=False, disable=not show) as bar,
+        long_lived_fleet(),
+    ):
+        loop.run(lambda now: bar.update(min(now, agents.duration) - bar.n))
     wall = time.perf_counter() - t0
     value = loop_ceiling(loop, config.engine.block_size) if ceiling else None
     summary = summarize_loop(loop, value)

@@ -189,12 +189,17 @@ class FleetSim(KVMoves):
                     progress(len(requests) - pending)
         return sorted(self.records.values(), key=lambda r: r.rid)
 
-    def run_until(self, end: float) -> None:
+    def run_until(self, end: float, progress=None) -> None:
         """Every event up to virtual time `end`; `on_finish` may submit more requests. Steps
-        in flight at `end` stay unfinished: records hold what had happened by then."""
+        in flight at `end` stay unfinished: records hold what had happened by then.
+        `progress(now)` is called about once per simulated second."""
         self._push(0.0, "scrape", None)
+        mark = 1.0
         while self._heap and self._heap[0][0] <= end:
             self._next_event()
+            if progress is not None and self.now >= mark:
+                progress(self.now)
+                mark = int(self.now) + 1.0
         self.now = end
 
     def _next_event(self) -> int:
