@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import tempfile
+import time
 from pathlib import Path
 
 import yaml
@@ -75,6 +76,17 @@ def pd_stack(tokenizer, prefill_faults: dict | None = None):
         yield f"http://127.0.0.1:{bound_port(server)}", router, fleet, urls
 
 
+def settled_loads(router, timeout: float = 5.0) -> list[tuple[int, int]]:
+    """Each endpoint's (in flight, pending prefill) once the router has released its forwards
+    (the client can have the last byte just before the router's task ends)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        loads = [(e.in_flight, e.pending_prefill_tokens) for e in router.pool.endpoints.values()]
+        if not any(f or p for f, p in loads) or time.monotonic() > deadline:
+            return loads
+        time.sleep(0.01)
+
+
 def served(fleet, i: int) -> int:
     return fleet.bundles[i].faults.num_requests
 
@@ -118,3 +130,36 @@ def test_prefill_failure_falls_back_to_decode_side_prefill(tokenizer):
         assert headers["x-kvmesh-endpoint"] in urls[1:]
         text = http(url + "/metrics")[2].decode()
         assert 'outcome="prefill_failed"' in text
+
+
+def test_the_decode_endpoint_is_charged_while_the_prefill_leg_runs(tokenizer, monkeypatch):
+    """Picks made while a prefill leg runs see the request its decode endpoint will decode, so
+    a burst of long prompts does not all pick the same idle decode endpoint; it is charged no
+    prefill (its prompt's KV comes from the prefill endpoint) and released at the end."""
+    from kvmesh.router import handlers
+
+    seen = []
+    real = handlers.prefill_remotely
+
+    async def watched(router, path, body, req, p):
+        decode = {e.name: e for e in router.pool.endpoints.values() if e is not p}
+        seen.append({n: (e.in_flight, e.pending_prefill_tokens) for n, e in decode.items()})
+        return await real(router, path, body, req, p)
+
+    monkeypatch.setattr(handlers, "prefill_remotely", watched)
+    with pd_stack(tokenizer) as (url, router, fleet, urls):
+        prompt = "The repository layout is as follows. " * 60
+        code, headers, _ = http(url + "/v1/completions", {"prompt": prompt, "max_tokens": 4})
+        assert code == 200 and served(fleet, 0) == 1
+        (during,) = seen
+        chosen = headers["x-kvmesh-endpoint"]
+        assert during[chosen] == (1, 0)
+        assert all(v == (0, 0) for n, v in during.items() if n != chosen)
+        assert settled_loads(router) == [(0, 0)] * 3
+
+
+def test_a_failed_prefill_leaves_no_load_behind(tokenizer):
+    with pd_stack(tokenizer, prefill_faults={"error_rate": 1.0}) as (url, router, fleet, urls):
+        prompt = "Another long and uncached context. " * 60
+        assert http(url + "/v1/completions", {"prompt": prompt, "max_tokens": 4})[0] == 200
+        assert settled_loads(router) == [(0, 0)] * 3

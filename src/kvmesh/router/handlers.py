@@ -179,13 +179,21 @@ async def _route(
         if tried:
             router.metrics.retries.inc()
         tried.add(endpoint.name)
-        send, source = request.body, None
+        send, source, charge = request.body, None, None
         if result.prefill is not None:  # P/D: the decode endpoint gets its KV from prefill
-            send = await prefill_remotely(router, request.path, send, req, result.prefill)
+            # and is charged from the pick: while the prefill leg runs, later picks must see
+            # the request it will decode (else they all pick the same idle decode endpoint)
+            charge = Charge(router, req, endpoint, None, computes_prompt=False)
+            try:
+                send = await prefill_remotely(router, request.path, send, req, result.prefill)
+            finally:
+                if send is request.body:  # no KV came: the decode endpoint computes the prompt
+                    charge.release()
+                    charge = None
         else:
             source = peer_source(router, req, endpoint, tried)
         result = None
-        if await _forward(router, door, request, send, req, endpoint, source, fresh):
+        if await _forward(router, door, request, send, req, endpoint, source, fresh, charge):
             return
         fresh = False
     no_endpoint(door)
@@ -238,14 +246,17 @@ async def _forward(
     e: Endpoint,
     source: PeerSource | None = None,
     fresh: bool = False,
+    charge: Charge | None = None,
 ) -> bool:
     """Stream e's answer back: True once the client has it (whole, or broken mid-stream);
     False when e failed before the first byte (try another). `source`: the peer e pulls
-    the prefix it lacks from (named in the header llm-d's P2P flow uses)."""
+    the prefix it lacks from (named in the header llm-d's P2P flow uses); `charge`: e's load
+    when charged already (P/D: from the pick), released here."""
     link = router.link(e)
     parts = _request_head(router, link, request, req, source, body)
-    # a body other than the client's carries the prefill endpoint's KV (P/D): e computes none
-    charge = Charge(router, req, e, source, computes_prompt=body is request.body)
+    if charge is None:
+        # a body other than the client's carries the prefill endpoint's KV (P/D): e computes none
+        charge = Charge(router, req, e, source, computes_prompt=body is request.body)
     try:
         timeout = router.config.first_byte_timeout
         return await attempt(router, door, e, parts, timeout, charge, body, fresh)

@@ -11,7 +11,8 @@ a one-token copy of the request that holds its blocks when it ends (`hold_for_re
 them as prefix-cache blocks (EngineCore.import_payload), and the request joins it after the
 transfer time the engine computed (`last_import_seconds`, the emulated link), finding its prompt
 cached. The router's forward bookkeeping is that of router.handlers: the prefill leg is in
-flight until its one-token answer, the decode leg is charged no prefill (`computes_prompt`).
+flight until its one-token answer; the decode leg is in flight from the pick (while the prefill
+leg runs, later picks see it) and is charged no prefill (`computes_prompt`).
 
 Peer sharing, as llm-d's P2P flow and engine.peer.PeerPuller do it: after the pick, the peer
 holding the longest prefix beyond the chosen endpoint's (by at least `min_cached_token_delta`,
@@ -129,7 +130,12 @@ class KVMoves:
             req.request_id + PREFILL_SUFFIX, req.token_ids, digests, 1, self.engines[p]
         )
         leg.hold_for_remote = True
-        load = forward_load.sent(self.engines[p].endpoint, req, self.state.approximate_index)
+        approx = self.state.approximate_index
+        load = forward_load.sent(self.engines[p].endpoint, req, approx)
+        # the decode leg is charged from the pick, as the router charges it (router.handlers):
+        # it carries the prefill's kv_transfer_params, so it is charged no prefill
+        sink = self.engines[d].endpoint
+        self._loads[req.request_id] = forward_load.sent(sink, req, approx, False)
         t = Transfer(p, d, "pd", leg, req, load, max_tokens)
         self.transfers[req.request_id] = self._legs[leg.request_id] = t
         self._add(p, leg)
@@ -149,9 +155,6 @@ class KVMoves:
         request = self._request(req.request_id, req.token_ids, prompt_blocks, t.max_tokens, sink)
         t.saved_tokens, t.seconds = hand_over(self.engines[t.source].core, sink.core, held, request)
         t.started, t.request, t.sched, t.load = self.now, None, None, None
-        # the decode leg carries the prefill's kv_transfer_params: it is charged no prefill
-        approx = self.state.approximate_index
-        self._loads[req.request_id] = forward_load.sent(sink.endpoint, req, approx, False)
         self._push(self.now + t.seconds, "add", (t.sink, request))
 
     def _pull(self, peer: int, i: int, request: Request) -> bool:
