@@ -141,9 +141,12 @@ def test_shared_digests_equal_hashing_each_prompt():
     ]
     for runs in prompts:
         ids = SimRequest(0, 0.0, runs, 1).token_ids()
-        digests, ints = cache.digests(runs, ids)
-        assert digests == hasher.hash_blocks(ids, 0, None)
-        assert ints == [block_hash_to_int(d) for d in digests]
+        prompt = cache.prepare(runs)
+        assert prompt.token_ids == ids
+        assert prompt.digests == hasher.hash_blocks(ids, 0, None)
+        assert prompt.ints == [block_hash_to_int(d) for d in prompt.digests]
+        prompt.token_ids.append(-1)  # the caller's own list: the cache keeps its copy
+        assert cache.prepare(runs).token_ids == ids
     assert cache.blocks_reused > 0 and cache.blocks <= 40 + 6  # evicts down to its budget
 
 

@@ -69,7 +69,7 @@ def test_a_repeated_prefix_hits_on_the_rank_that_holds_it(tokenizer):
     first, second = sim.run([SimRequest(0, 0.0, prompt, 4), SimRequest(1, 5.0, prompt, 4)])
     assert second.engine == first.engine and second.cached_tokens >= 2048 - 64
     name = sim.engines[first.engine].endpoint.name
-    _, keys = sim.digests.digests(prompt, SimRequest(0, 0.0, prompt, 4).token_ids())
+    keys = sim.digests.prepare(prompt).ints
     assert sim.state.precise_index.longest_match(keys) == {name: len(keys)}
     assert second.best_known_tokens == second.chosen_known_tokens == second.cached_tokens
 

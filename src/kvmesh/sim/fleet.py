@@ -224,8 +224,7 @@ class FleetSim(KVMoves):
 
     def _arrive(self, r: SimRequest) -> int:
         headers = {"x-session-id": r.session} if r.session else {}
-        token_ids = r.token_ids()
-        digests, keys = self.digests.digests(r.prompt, token_ids)
+        token_ids, digests, keys = self.digests.prepare(r.prompt)
         req = SchedulingRequest(str(r.rid), None, token_ids, list(keys), headers, self.block_size)
         endpoints = list(self.endpoints)  # the pipeline may keep the list it was given
         result = self.pipeline.schedule(req, endpoints)

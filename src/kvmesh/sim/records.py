@@ -3,8 +3,15 @@ token ids, output length and the turns it waits for) and how it went."""
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
+
+
+def run_tokens(runs: tuple[tuple[int, int], ...], into: list[int] | None = None) -> list[int]:
+    """The token ids of `runs` of (first id, count), appended to `into` (a new list if None)."""
+    out = [] if into is None else into
+    for first, n in runs:
+        out.extend(range(first, first + n))
+    return out
 
 
 @dataclass(slots=True)
@@ -26,7 +33,7 @@ class SimRequest:
         return sum(n for _, n in self.prompt)
 
     def token_ids(self) -> list[int]:
-        return [*itertools.chain.from_iterable(range(first, first + n) for first, n in self.prompt)]
+        return run_tokens(self.prompt)
 
 
 @dataclass(slots=True)
