@@ -21,7 +21,7 @@ from kvmesh.sim.ablation_cli import add_cost_args
 from kvmesh.sim.agents import AgentConfig, ClosedLoop
 from kvmesh.sim.agents_report import knee, loop_ceiling, print_knee, print_loop_row, summarize_loop
 from kvmesh.sim.fleet import FleetSim, FleetSimConfig
-from kvmesh.sim.quiet import long_lived_fleet
+from kvmesh.sim.quiet import collector_off
 
 
 def agent_counts(text: str) -> list[int]:
@@ -89,15 +89,15 @@ def run_agents(
     if spec.endswith((".yaml", ".yml")):
         policy, name = Path(spec).read_text(), Path(spec).stem
     config = replace(config, measure_known=False)  # the loop reports no "lost to routing"
-    sim = FleetSim(config, policy, load_tokenizer(config.engine.model)[0])
-    loop = ClosedLoop(sim, agents)
-    t0 = time.perf_counter()
+    tokenizer = load_tokenizer(config.engine.model)[0]
     show = sys.stderr.isatty()  # simulated seconds done, against wall time
-    with (
-        tqdm(total=agents.duration, desc=name, unit="sim s", leave=False, disable=not show) as bar,
-        long_lived_fleet(),
-    ):
-        loop.run(lambda now: bar.update(min(now, agents.duration) - bar.n))
+    with collector_off():
+        sim = FleetSim(config, policy, tokenizer)
+        loop = ClosedLoop(sim, agents)
+        t0 = time.perf_counter()
+        bar = tqdm(total=agents.duration, desc=name, unit="sim s", leave=False, disable=not show)
+        with bar:
+            loop.run(lambda now: bar.update(min(now, agents.duration) - bar.n))
     wall = time.perf_counter() - t0
     value = loop_ceiling(loop, config.engine.block_size) if ceiling else None
     summary = summarize_loop(loop, value)

@@ -13,11 +13,6 @@ from collections.abc import Iterator
 
 from kvmesh.engine.core import EngineCore
 
-# the collector's first threshold during a run: a fleet's engines allocate and free millions of
-# short-lived objects (requests, block lists) that reference counting frees, and at the default
-# 700 the cyclic collector walked the young ones every few hundred allocations
-RUN_GC_THRESHOLD = 50_000
-
 
 class _NullMetric:
     """A Prometheus metric that records nothing (observe, inc, set, labels(...).inc()), or
@@ -59,16 +54,18 @@ def no_text(core: EngineCore, request_id: str) -> None:
 
 
 @contextlib.contextmanager
-def long_lived_fleet() -> Iterator[None]:
-    """Run a built fleet with the collector told what it need not scan: what exists now (the
-    engines, their block pools, the router) is frozen out of collection, and the young
-    generation is collected less often; both are undone after. Cycles are still collected."""
-    threshold = gc.get_threshold()
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(RUN_GC_THRESHOLD, *threshold[1:])
+def collector_off() -> Iterator[None]:
+    """Build and run a fleet with the cyclic collector off, and switch it back on after (if it
+    was on). A fleet's run makes no garbage in reference cycles (tests/test_sim_collector.py
+    holds it to that), so reference counting frees all the collector would; the collector's
+    walks over the young objects visit every element of every prompt's token list, ~10-25% of
+    a large run's wall time, and the build's millions of blocks set off full collections over
+    all of them. A fleet is itself cyclic: it is collected once dropped, with the collector on.
+    """
+    was_on = gc.isenabled()
+    gc.disable()
     try:
         yield
     finally:
-        gc.set_threshold(*threshold)
-        gc.unfreeze()
+        if was_on:
+            gc.enable()

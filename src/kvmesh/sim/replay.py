@@ -30,7 +30,7 @@ from kvmesh.sim import agents_cli
 from kvmesh.sim.agents_cli import add_agent_args
 from kvmesh.sim.fleet import FleetSim, FleetSimConfig, SimRecord
 from kvmesh.sim.fleet_args import add_fleet_args, engine_flags, fleet_config, kv_move_flags
-from kvmesh.sim.quiet import long_lived_fleet
+from kvmesh.sim.quiet import collector_off
 from kvmesh.sim.requests import (  # noqa: F401 - trace_requests is this module's API too
     hit_ceiling,
     load_requests,
@@ -139,16 +139,16 @@ def run_policy(
             policy = f.read()
         name = Path(spec).stem
     requests = load_requests(source)
-    sim = FleetSim(config, policy, load_tokenizer(config.engine.model)[0])
-    t0 = time.perf_counter()
+    tokenizer = load_tokenizer(config.engine.model)[0]
     show = progress and sys.stderr.isatty()
-    with (
-        tqdm(
+    with collector_off():
+        sim = FleetSim(config, policy, tokenizer)
+        t0 = time.perf_counter()
+        bar = tqdm(
             total=len(requests), desc=name, unit="req", leave=False, mininterval=5, disable=not show
-        ) as bar,
-        long_lived_fleet(),
-    ):
-        records = sim.run(requests, lambda n: bar.update(n - bar.n))
+        )
+        with bar:
+            records = sim.run(requests, lambda n: bar.update(n - bar.n))
     summary = summarize(records, len(sim.engines))
     summary["sim_wall_s"] = round(time.perf_counter() - t0, 1)
     return name, summary, records
