@@ -56,7 +56,11 @@ class OffloadTier:
         self.hash_to_event = hash_to_event
         self.emit = emit
         self.entries: OrderedDict[bytes, TierEntry] = OrderedDict()
-        self.free_slots = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        # slots [fresh, num_slots) were never used; freed ones are reused first, last freed
+        # first, then fresh ones in order (slot 0 first): a tier of millions of slots costs
+        # nothing until it fills
+        self.free_slots: list[int] = []
+        self.fresh = 0
         self.hit_blocks = 0  # blocks loaded from this tier
         self.stored_blocks = 0
         self.evicted_blocks = 0
@@ -113,7 +117,7 @@ class OffloadTier:
             if block.block_hash in self.entries:
                 self.entries.move_to_end(block.block_hash)
                 continue
-            if not self.free_slots:
+            if not self.free_slots and self.fresh == self.num_slots:
                 victim = self._evict_one()
                 if victim is None:
                     break
@@ -121,7 +125,10 @@ class OffloadTier:
                     dropped.append(stores.pop(victim[0])[0])
                 else:
                     evicted.append(victim)
-            slot = self.free_slots.pop()
+            if self.free_slots:
+                slot = self.free_slots.pop()
+            else:
+                slot, self.fresh = self.fresh, self.fresh + 1
             self.entries[block.block_hash] = TierEntry(slot, block.token_ids, block.parent)
             stores[block.block_hash] = (block, slot)
         self.stored_blocks += len(stores)
@@ -162,13 +169,15 @@ class OffloadTier:
         if any(e.ref_cnt for e in self.entries.values()):
             return False
         self.entries.clear()
-        self.free_slots = list(range(self.num_slots - 1, -1, -1))
+        self.free_slots, self.fresh = [], 0
         return True
 
     def check_invariants(self) -> None:
         held = [e.slot for e in self.entries.values()]
-        assert len(held) + len(self.free_slots) == self.num_slots, "slot leaked or doubled"
-        assert len(set(held) | set(self.free_slots)) == self.num_slots, "slot owned twice"
+        free = [*self.free_slots, *range(self.fresh, self.num_slots)]
+        assert len(held) + len(free) == self.num_slots, "slot leaked or doubled"
+        assert len(set(held) | set(free)) == self.num_slots, "slot owned twice"
+        assert all(s < self.fresh for s in self.free_slots), "a fresh slot freed"
         assert all(e.ref_cnt >= 0 for e in self.entries.values())
 
 

@@ -55,17 +55,24 @@ def no_text(core: EngineCore, request_id: str) -> None:
 
 @contextlib.contextmanager
 def collector_off() -> Iterator[None]:
-    """Build and run a fleet with the cyclic collector off, and switch it back on after (if it
-    was on). A fleet's run makes no garbage in reference cycles (tests/test_sim_collector.py
-    holds it to that), so reference counting frees all the collector would; the collector's
-    walks over the young objects visit every element of every prompt's token list, ~10-25% of
-    a large run's wall time, and the build's millions of blocks set off full collections over
-    all of them. A fleet is itself cyclic: it is collected once dropped, with the collector on.
-    """
+    """Build and run a fleet with the cyclic collector off. A fleet's run makes no garbage in
+    reference cycles (tests/test_sim_collector.py holds it to that), so reference counting
+    frees all the collector would; its walks over the young objects visit every element of
+    every prompt's token list, ~10-25% of a large run's wall time, and the build's millions of
+    blocks set off full collections over all of them.
+
+    A fleet is itself cyclic, so it is collected once dropped: on entry, one collection frees
+    the fleets of earlier runs (an ablation runs several in one process). On exit what exists
+    is frozen out of collection before the collector comes back on (if it was on), so the
+    first collection after a run does not walk the whole fleet while it is still in use; the
+    next entry unfreezes it."""
     was_on = gc.isenabled()
+    gc.unfreeze()
+    gc.collect()
     gc.disable()
     try:
         yield
     finally:
+        gc.freeze()
         if was_on:
             gc.enable()
