@@ -41,7 +41,13 @@ def plot_sweep(path: str, policies: dict[str, dict]) -> None:
         ax.set_title(title)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    axes[1].set_title("prefix-cache hit rate (dotted: ceiling)")
+    axes[0].set_ylim(bottom=0)
+    axes[1].set_ylim(0, 1)  # a share: its whole range, so a small change looks small
+    top = max(axes[2].get_ylim()[1], 1.0)  # counts: whole numbers, and room to show a zero
+    axes[2].set_ylim(-0.05 * top, top)
+    axes[2].yaxis.get_major_locator().set_params(integer=True)
+    ceilings = any(all("ceiling" in p for p in run["points"]) for run in policies.values())
+    axes[1].set_title("prefix-cache hit rate" + (" (dotted: ceiling)" if ceilings else ""))
     axes[2].set_title("preemptions (X, dashed: the knee)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
