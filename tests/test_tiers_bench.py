@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.helpers import run_quick_bench
 
 
@@ -25,3 +27,17 @@ def test_quick_tiers_bench(tmp_path):
             "kvmesh:kv_peer_pulled_tokens_total": full,
             f"kvmesh:kv_peer_transfers_total[{transport}/ok]": 1,
         }, name
+
+
+def test_engines_start_together_and_all_stop_when_one_fails(tmp_path):
+    from kvmesh.bench import http_load
+
+    good = http_load.EngineProcess(http_load.free_port(), [], tmp_path / "good.log")
+    bad = http_load.EngineProcess(http_load.free_port(), ["--no-such-flag"], tmp_path / "bad.log")
+    with (
+        pytest.raises(RuntimeError, match="exited with 2"),
+        http_load.engine_processes(bad, good),
+    ):
+        raise AssertionError("not reached: the bad engine never comes up")
+    assert good.proc is not None and good.proc.poll() is not None  # started, and stopped
+    assert bad.proc is not None and bad.proc.returncode == 2  # argparse's usage error

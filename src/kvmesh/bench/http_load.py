@@ -9,6 +9,7 @@ kvmesh's engine. Times are `time.perf_counter()` seconds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -19,7 +20,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -299,17 +300,25 @@ class EngineProcess:
         self.proc: subprocess.Popen | None = None
         self.url = f"http://127.0.0.1:{port}"
 
-    def __enter__(self) -> str:
+    def start(self) -> EngineProcess:
+        """Launch the process without waiting for it (`wait_healthy` waits)."""
         cmd = [sys.executable, "-m", "kvmesh.cli", "serve", "--host", "127.0.0.1"]
         cmd += ["--port", str(self.port), *self.serve_args]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        return self
+
+    def wait_healthy(self) -> str:
+        """The base URL, once GET /health answers 200; stops the process and raises if it
+        exits or is not healthy within timeout_s."""
+        assert self.proc is not None, "start() first"
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(
-                    f"`{shlex.join(cmd)}` exited with {self.proc.returncode}:\n{self.log_tail()}"
+                    f"`{shlex.join(self.proc.args)}` exited with {self.proc.returncode}:\n"
+                    f"{self.log_tail()}"
                 )
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
@@ -320,6 +329,9 @@ class EngineProcess:
             time.sleep(0.25)
         self.__exit__()
         raise RuntimeError(f"engine not healthy after {self.timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def __enter__(self) -> str:
+        return self.start().wait_healthy()
 
     def __exit__(self, *exc: object) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -336,3 +348,15 @@ class EngineProcess:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+
+@contextlib.contextmanager
+def engine_processes(*engines: EngineProcess) -> Iterator[list[str]]:
+    """Several `kvmesh serve` subprocesses: all started at once, so their start-ups (imports,
+    model loading) overlap, then each waited for; yields their URLs in order and stops them
+    all on exit, also when one fails to come up."""
+    with contextlib.ExitStack() as stack:
+        for e in engines:
+            stack.callback(e.__exit__)
+            e.start()
+        yield [e.wait_healthy() for e in engines]

@@ -141,12 +141,12 @@ def main(args: argparse.Namespace) -> int:
         urllib.request.urlopen(reset, timeout=60).close()  # the puller forgets the last pull
         return _ttft(p_url, prompt, {PEER_HEADER: peer})
 
-    with (
-        http_load.EngineProcess(ports[0], tiered, out / "tiered.log") as t_url,
-        http_load.EngineProcess(ports[1], spilling, out / "spilling.log") as s_url,
-        http_load.EngineProcess(ports[2], [*puller, "tcp"], out / "puller.log") as p_url,
-        http_load.EngineProcess(ports[3], [*puller, "shm"], out / "shm-puller.log") as m_url,
-    ):
+    with http_load.engine_processes(
+        http_load.EngineProcess(ports[0], tiered, out / "tiered.log"),
+        http_load.EngineProcess(ports[1], spilling, out / "spilling.log"),
+        http_load.EngineProcess(ports[2], [*puller, "tcp"], out / "puller.log"),
+        http_load.EngineProcess(ports[3], [*puller, "shm"], out / "shm-puller.log"),
+    ) as (t_url, s_url, p_url, m_url):
         prompt = _prompt_ids(t_url, 1, args.prompt_tokens)
         fillers = [_prompt_ids(t_url, seed, args.prompt_tokens) for seed in (2, 3)]
         warm_up = _prompt_ids(t_url, 99, 32)  # first-request costs stay out of the figures
