@@ -59,7 +59,7 @@ def sides(tokenizer):
 
 
 def router_ids(parser: RequestParser, body: dict) -> list[int]:
-    return parser.scheduling_request(json.dumps(body).encode(), CHAT, {}).token_ids
+    return list(parser.scheduling_request(json.dumps(body).encode(), CHAT, {}).token_ids)
 
 
 def engine_ids(serving: OpenAIServing, body: dict) -> list[int]:
@@ -162,7 +162,7 @@ def test_issue_requests_through_the_router(tokenizer, stack):
         "continue_final_message": True,
         "add_generation_prompt": False,
     }
-    routed = router.scheduling_request(json.dumps(prefill).encode(), CHAT, {}).token_ids
+    routed = list(router.scheduling_request(json.dumps(prefill).encode(), CHAT, {}).token_ids)
     tokenized = json.loads(http(engine_url + "/tokenize", prefill)[2])["tokens"]
     expect = reference_ids(tokenizer, prefill)
     assert routed == tokenized == expect
@@ -271,11 +271,12 @@ def test_a_repeated_prompt_is_keyed_from_the_whole_prompt_cache(tokenizer):
         again = routed("/v1/completions", {"prompt": text, "max_tokens": 7, "seed": 3})
         assert parser.tokens.stats.whole_hits == hits + 1
         assert (again.token_ids, again.block_keys) == (first.token_ids, first.block_keys)
-        assert first.token_ids == tokenizer.encode(text) and len(first.block_keys) >= 2
-        given = routed("/v1/completions", {"prompt": first.token_ids})
+        assert list(first.token_ids) == tokenizer.encode(text) and len(first.block_keys) >= 2
+        given = routed("/v1/completions", {"prompt": list(first.token_ids)})
         assert given.block_keys == first.block_keys
         salted = routed("/v1/completions", {"prompt": text, "cache_salt": "tenant-a"})
-        assert salted.token_ids == first.token_ids and salted.block_keys != first.block_keys
+        assert list(salted.token_ids) == list(first.token_ids)
+        assert salted.block_keys != first.block_keys
         chat = {"messages": [{"role": "user", "content": text}]}
         one, two = routed(CHAT, chat), routed(CHAT, chat)
         assert two.block_keys == one.block_keys and parser.tokens.stats.whole_hits == hits + 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -128,7 +129,7 @@ class RequestParser:
         """Token ids of the (first) prompt and their block keys (shared with earlier requests
         of the same prompt text: read-only); ``text``: the chat already rendered (else rendered
         here)."""
-        ids: list[int] = []
+        ids: Sequence[int] = []
         keys: list[int] = []
         tokens, salt = self.tokens, fields.cache_salt
         if isinstance(prompt, ChatPrompt):

@@ -121,7 +121,7 @@ class PromptTokenizer:
         self._tokens = 0
         # (text, add_special_tokens, cache_salt) -> (ids, keys), oldest first. Invariant: at
         # most whole_entries entries and whole_tokens ids over all (_whole_held of them)
-        self._whole: OrderedDict[tuple[str, bool, str | None], tuple[list[int], list[int]]]
+        self._whole: OrderedDict[tuple[str, bool, str | None], tuple[Sequence[int], list[int]]]
         self._whole = OrderedDict()
         self.whole_entries, self.whole_tokens, self._whole_held = whole_entries, whole_tokens, 0
         added = getattr(tokenizer, "get_added_vocab", dict)()
@@ -158,10 +158,12 @@ class PromptTokenizer:
 
     def ids_and_keys(
         self, text: str, add_special_tokens: bool, cache_salt: str | None = None
-    ) -> tuple[list[int], list[int]]:
+    ) -> tuple[Sequence[int], list[int]]:
         """``encode_completion(text, add_special_tokens)`` and its ``block_keys`` (with
         ``cache_salt``), the pair kept for a prompt seen whole before. Both may be shared with
-        earlier callers: read them, never change them."""
+        earlier callers: read them, never change them. The ids of a cached text come as the
+        text cache's compact ``array('I')``: a growing prompt's thousands of ids are copied as
+        bytes, never made into as many int objects (the router reads only their count)."""
         key = (text, add_special_tokens, cache_salt)
         whole = self._whole
         pair = whole.get(key)
@@ -182,7 +184,9 @@ class PromptTokenizer:
                 self._whole_held -= len(whole.popitem(last=False)[1][0])
         return pair
 
-    def _run_ids_and_keys(self, text: str, add_special_tokens: bool) -> tuple[list[int], list]:
+    def _run_ids_and_keys(
+        self, text: str, add_special_tokens: bool
+    ) -> tuple[Sequence[int], list[int]]:
         """Ids and unsalted block keys of a prompt through the text cache: the keys of the
         blocks whose ids equal a cached run's are that run's, so a prompt that extends a known
         one hashes only its new blocks (and no span checkpoints)."""
@@ -215,9 +219,12 @@ class PromptTokenizer:
         if run is not None and (run.pre != pre or len(run.keys) < len(keys)):
             kept = (lead + len(ids)) // bs  # blocks without suffix ids
             run.pre, run.keys, run.chain = pre, keys[:kept], chain[:kept]
-        if isinstance(ids, array):  # the run's array stays the run's: callers get a list
-            ids = ids.tolist()
-        return (pre + ids + post if (pre or post) else ids), keys
+        if pre or post:  # (a run's array is shared as it is: never changed once made)
+            if isinstance(ids, array):
+                ids = array("I", pre) + ids + array("I", post)
+            else:
+                ids = pre + ids + post
+        return ids, keys
 
     def block_keys(
         self, token_ids: Sequence[int], cache_salt: str | None = None, lora_name: str | None = None

@@ -4,6 +4,7 @@ router, and the capabilities it declares, from which the router knows what a pip
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -20,7 +21,7 @@ ROLE_LABEL = "llm-d.ai/role"
 class SchedulingRequest:
     request_id: str
     model: str | None
-    token_ids: list[int]
+    token_ids: Sequence[int]  # a list, or the router's compact array('I'): read, never changed
     block_keys: list[int]  # the engines' block hashes (event ints) of the full blocks
     headers: dict[str, str]
     block_size: int = DEFAULT_BLOCK_SIZE
