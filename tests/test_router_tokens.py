@@ -288,6 +288,52 @@ def test_fast_byte_level_bpe_equals_the_rust_tokenizer(tok, text):
         assert fast.encode(text[: c - 5]) == ids[: t - 7]
 
 
+ASCII_PIECES = [
+    "'s",
+    "'t",
+    "'re",
+    "'ve",
+    "'m",
+    "'ll",
+    "'d",
+    "'",
+    " ",
+    "  ",
+    "\n",
+    "\t",
+    "\r\n",
+    "\x0b",
+    "\x0c",
+    "\x1c",
+    "\x1f",
+    "a",
+    "Z",
+    "0",
+    "9",
+    "_",
+    "#",
+    "!?",
+    "\x00",
+    "\x7f",
+]
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    text=st.lists(
+        st.one_of(st.sampled_from(ASCII_PIECES), st.text(st.characters(max_codepoint=127)))
+    ).map("".join)
+)
+def test_the_ascii_split_equals_the_unicode_split_on_ascii_text(text):
+    import re
+
+    import regex
+
+    from kvmesh.router.fastbpe import ASCII_SPLIT, GPT2_SPLIT
+
+    assert re.findall(ASCII_SPLIT, text) == regex.findall(GPT2_SPLIT, text)
+
+
 _FAST: dict = {}
 
 

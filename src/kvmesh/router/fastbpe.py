@@ -12,6 +12,7 @@ Rust tokenizer.
 from __future__ import annotations
 
 import json
+import re
 from bisect import bisect_left
 from itertools import accumulate, chain
 from typing import Any
@@ -19,6 +20,14 @@ from typing import Any
 import regex
 
 GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# The same split of an ASCII text, for the standard library's smaller engine (2-3x faster, and
+# cheaper to come back to cold): over ASCII, \p{L} is [A-Za-z], \p{N} is [0-9], and \s is the
+# Unicode White_Space property's [\t\n\v\f\r ] (not str.isspace, which adds \x1c-\x1f)
+_WS = r"[\t\n\x0b\x0c\r ]"
+ASCII_SPLIT = (
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\t\n\x0b\x0c\r A-Za-z0-9]+"
+    rf"|{_WS}+(?![^\t\n\x0b\x0c\r ])|{_WS}+"
+)
 PROBES = (
     "Hello world, it's 2024! Don't   panic:\n\n\tcode = f(x) + 42 * y;\r\n",
     "déjà vu 😀 naïve café — «quotes» “smart” 東京タワー 한국어 Ελληνικά עברית العربية",
@@ -50,6 +59,7 @@ class FastBPE:
     def __init__(self, model: Any, added: dict[str, int], max_words: int = 500_000) -> None:
         self.model = model
         self.split = regex.compile(GPT2_SPLIT)
+        self.ascii_split = re.compile(ASCII_SPLIT)
         names = sorted(added, key=len, reverse=True)  # longest first: leftmost-longest match
         self.added = added
         self.openers = frozenset(name[0] for name in names)  # no such char: no added token
@@ -99,6 +109,8 @@ class FastBPE:
         return ids
 
     def _findall(self, text: str) -> list[str]:
+        if len(text) <= 4096 and text.isascii():  # (isascii is O(1): CPython keeps it)
+            return self.ascii_split.findall(text)
         # a long text is split without the GIL, so a thread tokenizing it lets the loop run
         return self.split.findall(text, concurrent=len(text) > 4096 or None)
 
