@@ -1,18 +1,21 @@
 """Token ids -> the engine's block hashes (as KV-event ints), cached for growing prompts.
 
-Each hashed sequence keeps its digests; a blake2b digest of its token ids every ``hash_span``
-blocks (a span checkpoint) finds them again, so a known prefix costs no hashing.
+Each hashed sequence keeps its digests; a fingerprint of its token ids every ``hash_span``
+blocks (a span checkpoint: xxh3-128 with a seed drawn per process) finds them again, so a
+known prefix costs no hashing.
 
 Not thread-safe: the router calls it from one thread at a time.
 """
 
 from __future__ import annotations
 
-import hashlib
+import secrets
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import xxhash
 
 from kvmesh.protocol.hashing import BlockHasher, block_hash_to_int
 
@@ -52,6 +55,7 @@ class BlockKeyCache:
         self.stats = stats if stats is not None else BlockKeyStats()
         self.blocks = 0
         self._spans: OrderedDict[bytes, _Seq] = OrderedDict()  # span checkpoint -> sequence
+        self._seed = secrets.randbits(64)  # (a fingerprint's: see router.tokens)
 
     def block_keys(
         self, token_ids: Sequence[int], cache_salt: str | None = None, lora_name: str | None = None
@@ -69,7 +73,7 @@ class BlockKeyCache:
             )
             return [block_hash_to_int(d) for d in digests]
         salt = repr((cache_salt, lora_name)).encode("utf-8", "surrogatepass")
-        h = hashlib.blake2b(salt, digest_size=16)
+        h = xxhash.xxh3_128(salt, seed=self._seed)
         span = 4 * bs * self.hash_span
         points = []  # points[k-1]: digest of (salt, lora, ids of the first k spans)
         for a in range(span, len(raw) + 1, span):

@@ -7,14 +7,14 @@ LRU of whole prompts: its ids and block keys with no hashing at all.
 
 An agent's next prompt is usually its last prompt plus more text. Each encoded text is kept as a
 *run*: its ids and *cuts*, token boundaries that fall on character boundaries. Runs are found
-through blake2b digests of text prefixes: coarse ones every ``16 * chunk_chars`` characters over
-the whole text, fine ones every ``chunk_chars`` after the coarse agreement point (that is where an
-extended text diverges). A text that agrees with a run for ``a`` characters reuses the run's ids
-up to a cut ``c0`` safely before ``a`` and encodes only ``text[c0:]``. Byte-level BPE
-pre-tokenisation is local, but this is verified, not assumed: the fresh tail must reproduce the
-run's tokens from ``c0`` to the next cut ``c1`` (the seam), and a non-space character must follow
-``c0`` before the texts may differ (whitespace runs are split by lookahead); otherwise the whole
-text is encoded.
+through fingerprints of text prefixes (xxh3-128, seeded per process): coarse ones every
+``16 * chunk_chars`` characters over the whole text, fine ones every ``chunk_chars`` after the
+coarse agreement point (that is where an extended text diverges). A text that agrees with a
+run for ``a`` characters reuses the run's ids up to a cut ``c0`` safely before ``a`` and encodes
+only ``text[c0:]``. Byte-level BPE pre-tokenisation is local, but this is verified, not assumed:
+the fresh tail must reproduce the run's tokens from ``c0`` to the next cut ``c1`` (the seam),
+and a non-space character must follow ``c0`` before the texts may differ (whitespace runs are
+split by lookahead); otherwise the whole text is encoded.
 
 Not thread-safe: the router calls it from one event loop.
 """
@@ -22,13 +22,15 @@ Not thread-safe: the router calls it from one event loop.
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import secrets
 from array import array
 from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import xxhash
 
 from kvmesh.protocol.hashing import DEFAULT_BLOCK_SIZE, block_hash_to_int
 from kvmesh.protocol.tokenizer import fast_backend, offsets_work, special_affixes
@@ -118,6 +120,9 @@ class PromptTokenizer:
         self._keys = BlockKeyCache(block_size, hash_algo, hash_cache_blocks, hash_span, self.stats)
         self._runs: OrderedDict[_Run, None] = OrderedDict()  # LRU, oldest first
         self._ckpt: dict[bytes, _Run] = {}  # digest of a text prefix -> a run extending it
+        # a fingerprint, not a security boundary: a collision could only mis-key a routing hint
+        # (engines tokenize on their own), and the seed keeps collisions from being crafted
+        self._seed = secrets.randbits(64)
         self._tokens = 0
         # (text, add_special_tokens, cache_salt) -> (ids, keys), oldest first. Invariant: at
         # most whole_entries entries and whole_tokens ids over all (_whole_held of them)
@@ -269,7 +274,8 @@ class PromptTokenizer:
             st.chars_encoded += len(text)
             return self._plain(text, False), None, None, 0
         ckpt, fine_size = self._ckpt, self.chunk
-        coarse, states, final = self._coarse_digests(text)
+        raw = memoryview(text.encode()) if text.isascii() else None  # a byte per character
+        coarse, states, final = self._coarse_digests(text, raw)
         run = ckpt.get(final)
         if run is not None and run.length == len(text):  # equal digests: equal texts
             st.exact_hits += 1
@@ -280,10 +286,9 @@ class PromptTokenizer:
             k -= 1
         start = k * fine_size * _COARSE
         fine, h = [], states[k]  # fine[i]: digest of text[:start + (i+1)*chunk]
-        data = _utf8(text[start:]) if text.isascii() else None  # one byte per character
         for a in range(start, len(text) - fine_size + 1, fine_size):
-            if data is not None:
-                h.update(data[a - start : a - start + fine_size])
+            if raw is not None:
+                h.update(raw[a : a + fine_size])
             else:
                 h.update(_utf8(text[a : a + fine_size]))
             fine.append(h.digest())
@@ -309,18 +314,20 @@ class PromptTokenizer:
         self._remember(new, coarse, fine, final)
         return new.ids, new, parent, same
 
-    def _coarse_digests(self, text: str) -> tuple[list[bytes], list[Any], bytes]:
+    def _coarse_digests(
+        self, text: str, raw: memoryview | None
+    ) -> tuple[list[bytes], list[Any], bytes]:
         """Digests of text[:k*coarse] for k = 1.., the hasher state at each k (k = 0 too), and
-        the digest of the whole text."""
+        the digest of the whole text (``raw``: the text's bytes, when one per character)."""
         size = self.chunk * _COARSE
-        h = hashlib.blake2b(digest_size=16)
+        h = xxhash.xxh3_128(seed=self._seed)
         out, states = [], [h.copy()]
         whole = len(text) - len(text) % size
         for a in range(0, whole, size):
-            h.update(_utf8(text[a : a + size]))
+            h.update(raw[a : a + size] if raw is not None else _utf8(text[a : a + size]))
             out.append(h.digest())
             states.append(h.copy())
-        h.update(_utf8(text[whole:]))
+        h.update(raw[whole:] if raw is not None else _utf8(text[whole:]))
         return out, states, h.digest()
 
     def _extend(
