@@ -185,6 +185,21 @@ class Router:
         self.events: EventIngest | None = None
         self.warm_until = 0.0  # monotonic: requests wait for the index until then (0: never)
         self.links: dict[str, Link] = {}
+        self._settling = False  # a settle() is due on the loop
+
+    def settle_soon(self) -> None:
+        """Once the loop has run what is ready: apply the bookkeeping that the requests just
+        sent deferred (tokenizer cache entries, index records and touches), so their bytes
+        went out first. Every reader applies it before reading anyway."""
+        if not self._settling:
+            self._settling = True
+            asyncio.get_running_loop().call_soon(self.settle)
+
+    def settle(self) -> None:
+        self._settling = False
+        self.parser.settle()
+        self.approximate_index.settle()
+        self.precise_index.settle()
 
     def link(self, e: Endpoint) -> Link:
         link = self.links.get(e.name)

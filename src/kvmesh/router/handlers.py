@@ -101,7 +101,9 @@ def handle_inference(router: Router, door: FrontDoor, request: Request) -> Work 
             door.task = fw
             parts = _request_head(router, link, request, req, source)
             fw.start(parts, router.config.first_byte_timeout, request.body)
+            router.settle_soon()
             return None
+    router.settle_soon()
     return _route(router, door, request, req, set(), result)
 
 

@@ -23,6 +23,7 @@ DEFAULT_MEDIUM_WEIGHTS: dict[str, float] = {"GPU": 1.0, "CPU": 0.8, "DISK": 0.5,
 # key held by one endpoint costs ~141 bytes (uint64 int 40, OrderedDict slot + index + node ~100).
 # Holder objects are shared between blocks, so they add almost nothing per entry.
 _BYTES_PER_BLOCK = 142.0
+_MAX_PENDING = 64  # deferred records or touches applied at once beyond this many
 
 
 class _Holders:
@@ -69,9 +70,22 @@ class PreciseIndex:
         self._by_endpoint: dict[str, set[_Holders]] = {}
         self._empty = _Holders({}, frozenset(), {})  # never stored in _blocks
         self._entries = 0  # sum of len(h.masks) over blocks: (block, endpoint) pairs
+        # matches whose blocks are yet to be made most recently used: only the eviction order
+        # depends on them, so they wait until the next change (or settle(), once the request
+        # they served is on its way)
+        self._touches: list[tuple[Sequence[int], int]] = []
+
+    def settle(self) -> None:
+        """Make the blocks of the matches since the last change most recently used."""
+        touches, self._touches = self._touches, []
+        move = self._blocks.move_to_end
+        for keys, n in touches:  # (a block may have gone meanwhile: never, as changes settle)
+            deque(map(move, islice(keys, n)), 0)
 
     # ---- ingestion ------------------------------------------------------------------------
     def apply(self, endpoint: str, batch: KVEventBatch) -> None:
+        if self._touches:
+            self.settle()
         for event in batch.events:
             if isinstance(event, BlockStored):
                 self._store(endpoint, event.block_hashes, self._bit(event.medium))
@@ -129,6 +143,8 @@ class PreciseIndex:
 
     def remove_endpoint(self, endpoint: str) -> None:
         """Forget everything the endpoint holds: O(distinct holder sets), not O(blocks)."""
+        if self._touches:
+            self.settle()
         for h in self._by_endpoint.pop(endpoint, ()):
             # Mutate in place: every block sharing h loses the endpoint at once.
             if self._views.get(h.key) is h:
@@ -231,7 +247,9 @@ class PreciseIndex:
                 pending[h] = pending.get(h, 0) + count
             n += count
         if n and self.touch_on_match:  # the matched blocks, in order: most recently used
-            deque(map(blocks.move_to_end, islice(block_hashes, n)), 0)
+            self._touches.append((block_hashes, n))
+            if len(self._touches) > _MAX_PENDING:
+                self.settle()
         if active and n:
             _charge(deficit, pending, active)
             _settle(out, active, n, deficit)
@@ -288,8 +306,23 @@ class ApproximateIndex:
         self._canon: dict[frozenset[str], list] = {}
         self._lru: dict[str, OrderedDict[int, None]] = {}  # per endpoint, oldest first
         self._entries = 0  # sum of len(lru) == sum of len(pods[k])
+        # records not yet applied: every read and change applies them first (settle), so no
+        # caller can tell; the router settles once the request that made one is on its way
+        self._pending: list[tuple[str, Sequence[int]]] = []
 
     def record(self, endpoint: str, block_keys: Sequence[int]) -> None:
+        """`endpoint` was sent a prompt of `block_keys` (read later: never changed)."""
+        self._pending.append((endpoint, block_keys))
+        if len(self._pending) > _MAX_PENDING:
+            self.settle()
+
+    def settle(self) -> None:
+        """Apply the records made since the last read."""
+        pending, self._pending = self._pending, []
+        for endpoint, keys in pending:
+            self._record(endpoint, keys)
+
+    def _record(self, endpoint: str, block_keys: Sequence[int]) -> None:
         lru = self._lru.get(endpoint)
         if lru is None:
             lru = self._lru[endpoint] = OrderedDict()
@@ -314,6 +347,8 @@ class ApproximateIndex:
             self._drop(endpoint, key)
 
     def remove_endpoint(self, endpoint: str) -> None:
+        if self._pending:
+            self.settle()
         for key in self._lru.pop(endpoint, ()):
             self._drop(endpoint, key)
 
@@ -344,6 +379,8 @@ class ApproximateIndex:
         self, block_keys: Sequence[int], endpoints: Iterable[str] | None = None
     ) -> dict[str, int]:
         """Consecutive leading blocks per endpoint; endpoints with none are absent."""
+        if self._pending:
+            self.settle()
         active = _endpoint_set(endpoints)
         if active is not None and not active:
             return {}
@@ -368,4 +405,6 @@ class ApproximateIndex:
 
     def num_entries(self) -> int:
         """(block, endpoint) pairs recorded; at most capacity_per_endpoint per endpoint."""
+        if self._pending:
+            self.settle()
         return self._entries

@@ -61,6 +61,12 @@ class RequestParser:
     def close(self) -> None:
         self._thread.shutdown(wait=False)
 
+    def settle(self) -> None:
+        """Apply the tokenizer's deferred cache entries, unless a thread holds it (its next
+        call applies them then)."""
+        if self._tokenizer_free.is_set():
+            self.tokens.settle()
+
     async def parse(self, request: Request) -> SchedulingRequest:
         """scheduling_request, with a large prompt tokenized on a thread (its regex split and
         the Rust tokenizer release the GIL, so the event loop runs meanwhile), and a request's

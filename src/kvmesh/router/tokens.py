@@ -129,6 +129,9 @@ class PromptTokenizer:
         self._whole: OrderedDict[tuple[str, bool, str | None], tuple[Sequence[int], list[int]]]
         self._whole = OrderedDict()
         self.whole_entries, self.whole_tokens, self._whole_held = whole_entries, whole_tokens, 0
+        # cache entries to add (and runs they supersede), not yet applied: each call applies
+        # them first, so none can tell; the router settles once the request is on its way
+        self._deferred: list[tuple] = []
         added = getattr(tokenizer, "get_added_vocab", dict)()
         # Texts may differ right after the agreed prefix, and a special token that starts up to
         # its length before that point may be matched in one text only: stay clear of both.
@@ -153,6 +156,8 @@ class PromptTokenizer:
         """Exactly ``tokenizer.encode(prompt, add_special_tokens=add_special_tokens)``: the
         router's encoder of every prompt text, a completion's or a rendered chat's
         (protocol.prompt makes the text)."""
+        if self._deferred:
+            self.settle()
         if not add_special_tokens:
             return self._encode_raw(prompt)
         if self._specials is None:
@@ -169,6 +174,8 @@ class PromptTokenizer:
         earlier callers: read them, never change them. The ids of a cached text come as the
         text cache's compact ``array('I')``: a growing prompt's thousands of ids are copied as
         bytes, never made into as many int objects (the router reads only their count)."""
+        if self._deferred:
+            self.settle()
         key = (text, add_special_tokens, cache_salt)
         whole = self._whole
         pair = whole.get(key)
@@ -181,13 +188,26 @@ class PromptTokenizer:
         else:
             ids = self.encode_completion(text, add_special_tokens)
             pair = ids, self.block_keys(ids, cache_salt) if ids else []
-        ids = pair[0]
-        if len(ids) <= self.whole_tokens:
-            whole[key] = pair
-            self._whole_held += len(ids)
-            while len(whole) > self.whole_entries or self._whole_held > self.whole_tokens:
-                self._whole_held -= len(whole.popitem(last=False)[1][0])
+        if len(pair[0]) <= self.whole_tokens:
+            self._deferred.append((key, pair))
         return pair
+
+    def settle(self) -> None:
+        """Apply the cache entries the last calls made."""
+        deferred, self._deferred = self._deferred, []
+        whole = self._whole
+        for item in deferred:
+            if len(item) == 2:  # a whole prompt
+                key, pair = item
+                whole[key] = pair
+                self._whole_held += len(pair[0])
+                while len(whole) > self.whole_entries or self._whole_held > self.whole_tokens:
+                    self._whole_held -= len(whole.popitem(last=False)[1][0])
+            else:  # a run, and the run it supersedes
+                run, digests, superseded = item
+                if superseded is not None:
+                    self._drop(superseded)
+                self._remember(run, digests)
 
     def _run_ids_and_keys(
         self, text: str, add_special_tokens: bool
@@ -240,6 +260,8 @@ class PromptTokenizer:
     def set_block_size(self, block_size: int) -> None:
         """Block keys are made of ``block_size``-token blocks from now on (the engines' size,
         learned by the router): the block-key cache starts anew."""
+        if self._deferred:
+            self.settle()
         if block_size != self.block_size:
             old = self._keys
             self._keys = BlockKeyCache(
@@ -252,6 +274,8 @@ class PromptTokenizer:
                 run.pre, run.keys, run.chain = None, [], []
 
     def cache_info(self) -> dict[str, int]:
+        if self._deferred:
+            self.settle()
         return {
             "runs": len(self._runs),
             "tokens": self._tokens,
@@ -308,10 +332,10 @@ class PromptTokenizer:
             ids, cuts, same = hit
             parent = run
         aligned = run.length - len(run.tail) if run is not None else -1
-        if run is not None and agree >= aligned and text.startswith(run.tail, aligned):
-            self._drop(run)  # text extends the run's whole text: the run is redundant
+        # text extends the run's whole text: the run is redundant
+        extends = run is not None and agree >= aligned and text.startswith(run.tail, aligned)
         new = _Run(text, fine_size, ids, cuts)
-        self._remember(new, coarse, fine, final)
+        self._deferred.append((new, [*coarse, *fine, final], run if extends else None))
         return new.ids, new, parent, same
 
     def _coarse_digests(
@@ -391,8 +415,8 @@ class PromptTokenizer:
                     break
         return ids, (cut_chars, cut_tokens)
 
-    def _remember(self, run: _Run, coarse: list[bytes], fine: list[bytes], final: bytes) -> None:
-        run.digests = [*coarse, *fine, final]
+    def _remember(self, run: _Run, digests: list[bytes]) -> None:
+        run.digests = digests
         ckpt = self._ckpt
         for d in run.digests:
             ckpt[d] = run
