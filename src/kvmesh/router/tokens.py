@@ -55,6 +55,11 @@ class TokenizerStats(BlockKeyStats):
     chars_encoded: int = 0  # characters actually passed to the tokenizer
 
 
+def _first(items: list, n: int) -> list:
+    """items[:n], or items itself when that is all of it (lists shared read-only)."""
+    return items if n >= len(items) else items[:n]
+
+
 class _Run:
     """One cached encoding of a text of ``length`` chars.
 
@@ -222,8 +227,10 @@ class PromptTokenizer:
         reuse = 0
         if parent is not None and parent.pre == pre:
             reuse = min(len(parent.keys), (lead + same) // bs, n_blocks)
-        keys = parent.keys[:reuse] if reuse else []
-        chain = parent.chain[:reuse] if reuse else []
+        # the run's lists themselves when all of them are reused: read-only, shared (a prompt
+        # that adds no full block costs no copy, nor a touch of each key)
+        keys = _first(parent.keys, reuse) if reuse else []
+        chain = _first(parent.chain, reuse) if reuse else []
         if reuse < n_blocks:
             a = reuse * bs  # ids of pre + ids + post from block `reuse` to the last full one
             seq = (
@@ -238,12 +245,12 @@ class PromptTokenizer:
             seq = seq[: (n_blocks - reuse) * bs]
             fresh = self._keys.hasher.hash_blocks(seq, 0, chain[-1] if chain else None)
             self.stats.blocks_hashed += len(fresh)
-            chain += fresh
-            keys += [block_hash_to_int(d) for d in fresh]
+            chain = chain + fresh
+            keys = keys + [block_hash_to_int(d) for d in fresh]
         self.stats.blocks_reused += reuse
         if run is not None and (run.pre != pre or len(run.keys) < len(keys)):
             kept = (lead + len(ids)) // bs  # blocks without suffix ids
-            run.pre, run.keys, run.chain = pre, keys[:kept], chain[:kept]
+            run.pre, run.keys, run.chain = pre, _first(keys, kept), _first(chain, kept)
         if pre or post:  # (a run's array is shared as it is: never changed once made)
             if isinstance(ids, array):
                 ids = array("I", pre) + ids + array("I", post)
