@@ -87,6 +87,29 @@ def test_quick_run_reports_latency_rate_cpu_and_scheduling(tmp_path: Path) -> No
     assert result["targets"]["schedule_warm_p50_ms"] > 0
 
 
+def test_interleaved_run_sends_each_request_through_every_router(tmp_path: Path) -> None:
+    """--interleave: both routers run at once and share the direct samples of each request,
+    so their added latencies come from the same moments of the host."""
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    argv = ["--quick", "--interleave", "--no-micro", "--routers", "kvmesh:kvmesh,kvmesh:random"]
+    assert main(parser.parse_args([*argv, "--out", str(tmp_path)])) == 0
+    (fleet,) = json.loads((tmp_path / "router.json").read_text())["fleets"]
+    assert not fleet["failed"]
+    rows = {r["router"]: r for r in fleet["routers"]}
+    assert set(rows) == {"kvmesh kvmesh", "kvmesh random"}
+    for case in ("small", "8k", "small_stream_ttfb", "8k_stream_ttfb"):
+        a, b = (rows[k]["latency"][case] for k in sorted(rows))
+        assert a["n"] == b["n"] == 30 and a["errors"] == b["errors"] == 0
+        assert (
+            a["direct_p50_ms"] == b["direct_p50_ms"] == fleet["direct"]["latency"][case]["p50_ms"]
+        )
+        for lat in (a, b):
+            assert lat["added_p50_ms"] == round(lat["p50_ms"] - lat["direct_p50_ms"], 4)
+    for row in rows.values():
+        assert row["throughput"]["req_s"] > 0 and row["throughput"]["router_cpu_us_per_req"] > 0
+
+
 def test_rounds_combine_as_the_median_of_each_figure() -> None:
     rows = [
         {"latency": {"small": {"added_p50_ms": v, "n": 30}}, "throughput": {"req_s": 10 * v}}

@@ -15,12 +15,12 @@ import textwrap
 import time
 from pathlib import Path
 
-from kvmesh.bench.router_client import Conn, completion_body, prompt_text
-from kvmesh.bench.router_client import request_bytes as raw_request
+from kvmesh.bench.router_interleave import DIRECT, latencies, percentiles_ms, sample
 from kvmesh.bench.router_micro import run_micro
 from kvmesh.bench.router_path import run_path
 from kvmesh.bench.router_procs import (
     ALL_TARGETS,
+    Proc,
     Target,
     peer_bin,
     pinning,
@@ -31,14 +31,7 @@ from kvmesh.bench.router_procs import (
 )
 from kvmesh.bench.router_report import plot, print_tables, targets_summary
 from kvmesh.bench.router_rounds import measure_rate, median_rows
-from kvmesh.protocol.stats import percentile
 
-CASES = (  # name, prompt kind, streaming (then the first body byte is timed, not the end)
-    ("small", "small", False),
-    ("8k", "long", False),
-    ("small_stream_ttfb", "small", True),
-    ("8k_stream_ttfb", "long", True),
-)
 EPILOG = """What is measured, for each fleet size and each router (one at a time, same engines):
   added latency  p50/p99 through the router minus p50/p99 straight to an engine, requests sent
                  one at a time, routed and direct interleaved; a small prompt and an ~8,000-char
@@ -48,6 +41,8 @@ EPILOG = """What is measured, for each fleet size and each router (one at a time
   CPU us/req     router process group utime+stime (/proc/PID/stat) over that window / answers
   --rounds N     every router measured N times in turn (A B C, A B C, ...); each figure is the
                  median of its N, the N in router.json
+  --interleave   all routers run at once; latency request i goes through each in turn (and
+                 straight to an engine), so host noise lands on all alike; CPU as above
   scheduling     in-process: a --micro-tokens prompt over --micro-endpoints endpoints, kvmesh
                  preset, precise index holding parts of the prefix on several endpoints;
                  warm = prefix seen (tokenizer and block-hash caches hit), cold = from scratch
@@ -59,12 +54,13 @@ Pinned as in shared/reference/peers.md s7: engines + router on one CPU (taskset)
 another. Peers run with warn-level logs. A peer that is not installed is skipped, with a note.
 Targets (shown, not asserted): added p50 <= 1 ms, scheduling <= 2 ms, vs the best peer.
 Output: router.json and router.png in --out."""
+ALL_ROUTERS = ",".join(f"{t.kind}:{t.policy}" for t in ALL_TARGETS)
 FLAGS = (  # flag, type, default, help
     ("--engines", str, "2,4", "Fleet sizes (engines), comma-separated."),
     (
         "--routers",
         str,
-        ",".join(f"{t.kind}:{t.policy}" for t in ALL_TARGETS),
+        ALL_ROUTERS,
         "Routers to measure as kind:policy (kvmesh, sglang, vllm; envoy:PRESET is Envoy with "
         "kvmesh as its ext_proc endpoint picker).",
     ),
@@ -92,58 +88,81 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-pin", action="store_true", help="Do not pin processes to CPUs.")
     parser.add_argument("--no-micro", action="store_true", help="Skip the in-process part.")
     parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="Run every router at once and send each latency request through all of them in "
+        "turn (noise on a shared host lands on all alike).",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="CI-sized: 2 engines, kvmesh preset only, no peers, tiny counts.",
     )
 
 
-def _ms(values: list[float]) -> dict[str, float]:
-    ms = [v * 1e3 for v in values]
-    return {"p50_ms": round(percentile(ms, 50), 4), "p99_ms": round(percentile(ms, 99), 4)}
-
-
 def measure_latency(router: str, engines: list[str], model: str | None, n: int, seed: int):
     """Per case: routed and direct percentiles, added = routed - direct, and direct samples."""
-    rconn, dconns = Conn(router), [Conn(u) for u in engines]
-    out, direct_all = {}, {}
+    samples, errors = sample({router: router}, engines, model, n, seed)
+    direct = {name: by_label[DIRECT] for name, by_label in samples.items()}
+    return latencies(samples, errors)[router], direct
+
+
+def _interleaved(targets, urls, model, bins, prefix, args, engines, fleet) -> dict:
+    """--interleave: every router started at once; per round, the latency cases through all
+    of them in turn, then each one's closed loop. Router label -> its rounds."""
+    running: dict[str, tuple[Proc, str]] = {}
+    rounds: dict[str, list[dict]] = {}
+    pooled = fleet["pooled"]
     try:
-        for name, kind, stream in CASES:
-            text = prompt_text(kind, seed)
-            idx = 0 if stream else 1
-            routed: list[float] = []
-            direct: list[float] = []
-            errors = 0
-            for i in range(n + max(5, n // 10)):  # the first ones warm up
-                body = completion_body(model, f"{text} #{i}", stream)
-                rraw = raw_request(router, "/v1/completions", body)
-                d = i % len(engines)
-                draw = raw_request(engines[d], "/v1/completions", body)
-                pair = [(rconn, rraw, routed), (dconns[d], draw, direct)]
-                for conn, raw, sink in pair if i % 2 else pair[::-1]:
-                    resp, first, total = conn.send(raw)
-                    if resp.status != 200:
-                        errors += 1
-                    elif i >= max(5, n // 10):
-                        sink.append((first, total)[idx])
-            if not routed:
-                raise RuntimeError(f"no successful routed request ({errors} errors)")
-            r, dd = _ms(routed), _ms(direct)
-            out[name] = {
-                **r,
-                "direct_p50_ms": dd["p50_ms"],
-                "direct_p99_ms": dd["p99_ms"],
-                "added_p50_ms": round(r["p50_ms"] - dd["p50_ms"], 4),
-                "added_p99_ms": round(r["p99_ms"] - dd["p99_ms"], 4),
-                "n": len(routed),
-                "errors": errors,
-            }
-            direct_all[name] = direct
+        for t in targets:
+            try:
+                running[t.label] = start_router(t, urls, prefix, bins, args.out)
+            except RuntimeError as exc:
+                fleet["failed"].append({"router": t.label, "error": str(exc)[-600:]})
+        for r in range(args.rounds):
+            print(f"[{len(urls)} engines] interleaved, round {r + 1}/{args.rounds} ...", flush=True)
+            try:
+                by_url, errors = sample(
+                    {url: url for _, url in running.values()}, urls, model, args.requests,
+                    args.seed,
+                )  # fmt: skip
+                lat = latencies(by_url, errors)
+                for name, by_label in by_url.items():
+                    pooled.setdefault(name, []).extend(by_label[DIRECT])
+                for label, (proc, url) in running.items():
+                    rate = measure_rate([url], model, args, proc, engines)
+                    rounds.setdefault(label, []).append({"latency": lat[url], "throughput": rate})
+            except (RuntimeError, OSError) as exc:
+                fleet["failed"].append({"router": "interleaved round", "error": repr(exc)[-600:]})
     finally:
-        rconn.close()
-        for c in dconns:
-            c.close()
-    return out, direct_all
+        for proc, _ in running.values():
+            proc.stop()
+    return rounds
+
+
+def _sequential(targets, urls, model, bins, prefix, args, engines, fleet) -> dict:
+    """Every router once per round, in turn: noise spreads over all. Label -> its rounds."""
+    rounds: dict[str, list[dict]] = {}
+    for r in range(args.rounds):
+        for t in targets:
+            print(f"[{len(urls)} engines] {t.label} (round {r + 1}/{args.rounds}) ...", flush=True)
+            try:
+                proc, url = start_router(t, urls, prefix, bins, args.out)
+            except RuntimeError as exc:
+                fleet["failed"].append({"router": t.label, "error": str(exc)[-600:]})
+                continue
+            try:
+                lat, direct = measure_latency(url, urls, model, args.requests, args.seed)
+                rate = measure_rate([url], model, args, proc, engines)
+            except (RuntimeError, OSError) as exc:
+                fleet["failed"].append({"router": t.label, "error": repr(exc)[-600:]})
+                continue
+            finally:
+                proc.stop()
+            for name, samples in direct.items():
+                fleet["pooled"].setdefault(name, []).extend(samples)
+            rounds.setdefault(t.label, []).append({"latency": lat, "throughput": rate})
+    return rounds
 
 
 def run_fleet(n: int, targets: list[Target], bins: dict, prefix: list[str], args) -> dict:
@@ -159,33 +178,16 @@ def run_fleet(n: int, targets: list[Target], bins: dict, prefix: list[str], args
         }
         print(f"[{n} engines] direct closed loop ...", flush=True)
         fleet["direct"] = {"throughput": measure_rate(urls, model, args, None, engines)}
-        pooled: dict[str, list[float]] = {}
-        rounds: dict[str, list[dict]] = {}  # router label -> its rounds, in order
-        for r in range(args.rounds):  # every router once per round: noise spreads over all
-            for t in targets:
-                print(f"[{n} engines] {t.label} (round {r + 1}/{args.rounds}) ...", flush=True)
-                try:
-                    proc, url = start_router(t, urls, prefix, bins, args.out)
-                except RuntimeError as exc:
-                    fleet["failed"].append({"router": t.label, "error": str(exc)[-600:]})
-                    continue
-                try:
-                    lat, direct = measure_latency(url, urls, model, args.requests, args.seed)
-                    rate = measure_rate([url], model, args, proc, engines)
-                except (RuntimeError, OSError) as exc:
-                    fleet["failed"].append({"router": t.label, "error": repr(exc)[-600:]})
-                    continue
-                finally:
-                    proc.stop()
-                for name, samples in direct.items():
-                    pooled.setdefault(name, []).extend(samples)
-                rounds.setdefault(t.label, []).append({"latency": lat, "throughput": rate})
+        fleet["pooled"] = {}  # direct samples of every round
+        measure = _interleaved if args.interleave else _sequential
+        rounds = measure(targets, urls, model, bins, prefix, args, engines, fleet)
         for t in targets:
             done = rounds.get(t.label)
             if done:  # the median of each figure over its rounds
                 row = {"router": t.label, "kind": t.kind, "policy": t.policy, **median_rows(done)}
                 fleet["routers"].append({**row, "rounds": done} if len(done) > 1 else row)
-        fleet["direct"]["latency"] = {name: _ms(v) for name, v in pooled.items()}
+        pooled = fleet.pop("pooled")
+        fleet["direct"]["latency"] = {name: percentiles_ms(v) for name, v in pooled.items()}
     finally:
         engines.stop()
     return fleet
@@ -204,8 +206,10 @@ def _targets(spec: str) -> list[Target]:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.quick:
-        args.engines, args.routers, args.requests = "2", "kvmesh:kvmesh", 30
+    if args.quick:  # (routers named with --routers are kept)
+        if args.routers == ALL_ROUTERS:
+            args.routers = "kvmesh:kvmesh"
+        args.engines, args.requests = "2", 30
         args.duration, args.warmup = 1.0, 0.3
         args.micro_repeats, args.micro_tokens = 10, 4096
     args.out.mkdir(parents=True, exist_ok=True)
