@@ -1,8 +1,9 @@
 """`kvmesh bench router --interleave`: every router runs at once in front of the same engines,
 and the one-at-a-time latency cases send request i through each router in turn (and straight to
-an engine), the order reversed every other request. A busy moment of a shared host then lands on
-every router alike, instead of on whichever one was being measured, so the added latencies of
-one run compare with each other (the sequential mode's rounds only spread that noise).
+an engine), the order reversed every other request, each with a prompt of its own. A busy moment
+of a shared host then lands on every router alike, instead of on whichever one was being
+measured, so the added latencies of one run compare with each other (the sequential mode's
+rounds only spread that noise). The sequential mode uses the same sampler with one router.
 
 The routers that wait meanwhile only scrape the engines: all of them scrape in every case, so
 the engines' core is as busy for each. CPU per request still comes from each router's own
@@ -44,11 +45,15 @@ def sample(
             text = prompt_text(kind, seed)
             got = out[name] = {label: [] for label in [*routers, DIRECT]}
             for i in range(n + warm):
-                body = completion_body(model, f"{text} #{i}", stream)
                 d = i % len(engines)
-                sends = [(label, conns[label], raw_request(url, "/v1/completions", body))
-                         for label, url in routers.items()]  # fmt: skip
-                sends.append((DIRECT, direct[d], raw_request(engines[d], "/v1/completions", body)))
+                targets = [*((label, conns[label], url) for label, url in routers.items()),
+                           (DIRECT, direct[d], engines[d])]  # fmt: skip
+                sends = []
+                for k, (label, conn, url) in enumerate(targets):
+                    # a prompt of its own: an engine sees each text once, so none of them
+                    # is answered from what an earlier one of the same round left warm
+                    body = completion_body(model, f"{text} #{i}.{k}", stream)
+                    sends.append((label, conn, raw_request(url, "/v1/completions", body)))
                 for label, conn, raw in sends if i % 2 else sends[::-1]:
                     resp, first, total = conn.send(raw)
                     if resp.status != 200:
