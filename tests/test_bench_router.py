@@ -81,7 +81,7 @@ def test_quick_run_reports_latency_rate_cpu_and_scheduling(tmp_path: Path) -> No
     path = result["path"]
     assert set(path["presets"]) == {"kvmesh", "precise-prefix", "round-robin"}
     for figures in path["presets"].values():
-        for kind in ("repeated", "new"):
+        for kind in ("repeated", "new", "extended"):
             assert figures[kind]["us"] == min(figures[kind]["runs"]) > 0
     assert "kvmesh_added_p50_ms" in result["targets"]["engines_2"]["small"]
     assert result["targets"]["schedule_warm_p50_ms"] > 0

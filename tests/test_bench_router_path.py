@@ -13,7 +13,7 @@ def test_every_request_is_answered_through_the_router(tokenizer) -> None:
     out = run_path(["kvmesh", "round-robin"], 60, 2, tokenizer)
     assert out["requests"] == 60 and out["rounds"] == 2
     for figures in out["presets"].values():
-        for kind in ("repeated", "new"):
+        for kind in ("repeated", "new", "extended"):
             assert len(figures[kind]["runs"]) == 2
             assert figures[kind]["us"] == min(figures[kind]["runs"]) > 0
 

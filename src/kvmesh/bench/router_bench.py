@@ -48,8 +48,9 @@ EPILOG = """What is measured, for each fleet size and each router (one at a time
                  warm = prefix seen (tokenizer and block-hash caches hit), cold = from scratch
   request path   in-process, no sockets: router CPU per request from the client's bytes to the
                  answer's last byte (two endpoints answering at once), presets kvmesh,
-                 precise-prefix and round-robin, the small prompt repeated and new each time;
-                 the least of 3 rounds; repeats within a few percent, unlike the closed loop
+                 precise-prefix and round-robin, the small prompt repeated and new each time,
+                 and the 8k prompt with a new tail each time (a known prefix grown); the least
+                 of 3 rounds; repeats within a few percent, unlike the closed loop
 Pinned as in shared/reference/peers.md s7: engines + router on one CPU (taskset), this client on
 another. Peers run with warn-level logs. A peer that is not installed is skipped, with a note.
 Targets (shown, not asserted): added p50 <= 1 ms, scheduling <= 2 ms, vs the best peer.

@@ -9,7 +9,8 @@ within a few percent, so it shows what a preset costs over round robin.
 Two endpoints, each with idle keep-alive connections that answer at once; one client
 connection, one request at a time; `repeated`: the closed loop's small prompt every time (its
 token ids and block keys come from the router's caches), `new`: a prompt not seen before each
-time (tokenized and hashed)."""
+time (tokenized and hashed), `extended`: the latency cases' ~8,000-character prompt with a new
+tail each time (an agent's next turn: its known prefix is reused, only the tail is encoded)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import asyncio
 import json
 import time
 
+from kvmesh.bench.router_client import prompt_text
 from kvmesh.router.app import Router, RouterConfig
 from kvmesh.router.frontdoor import FrontDoor
 from kvmesh.router.proxy import Upstream
@@ -125,9 +127,11 @@ def run_path(presets: list[str], n: int, rounds: int, tokenizer=None) -> dict:
 
         tokenizer, _ = load_tokenizer(None)
     warmup = max(50, n // 10)
+    long = prompt_text("long")
     kinds = {
         "repeated": [request_bytes(PROMPT)] * (warmup + n),
         "new": [request_bytes(f"{PROMPT} {i}") for i in range(warmup + n)],
+        "extended": [request_bytes(f"{long} #{i}") for i in range(warmup + n)],
     }
     out: dict = {"requests": n, "rounds": rounds, "presets": {}}
     for preset in presets:

@@ -145,12 +145,13 @@ def print_tables(result: dict) -> None:
                 f"{path['rounds']} rounds of {path['requests']}"
             )
         )
-        for col in ("preset", "small prompt repeated", "small prompt new each time"):
+        cols = ("small prompt repeated", "small prompt new each time", "8k chars, new tail")
+        for col in ("preset", *cols):
             t.add_column(col, justify="left" if col == "preset" else "right")
         base = path["presets"].get("round-robin")
         for preset, figures in path["presets"].items():
             cells = []
-            for kind in ("repeated", "new"):
+            for kind in ("repeated", "new", "extended"):
                 us = figures[kind]["us"]
                 over = base and preset != "round-robin"
                 cells.append(f"{us:.1f}" + (f" (+{us - base[kind]['us']:.1f})" if over else ""))
