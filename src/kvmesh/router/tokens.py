@@ -209,10 +209,7 @@ class PromptTokenizer:
                 while len(whole) > self.whole_entries or self._whole_held > self.whole_tokens:
                     self._whole_held -= len(whole.popitem(last=False)[1][0])
             else:  # a run, and the run it supersedes
-                run, digests, superseded = item
-                if superseded is not None:
-                    self._drop(superseded)
-                self._remember(run, digests)
+                self._replace(*item)
 
     def _run_ids_and_keys(
         self, text: str, add_special_tokens: bool
@@ -328,6 +325,12 @@ class PromptTokenizer:
             if fine[i] in ckpt:
                 run, agree = ckpt[fine[i]], start + (i + 1) * fine_size
                 break
+        extends = False  # text extends the run's whole text (an agent's next turn)
+        if run is not None:
+            aligned = run.length - len(run.tail)
+            extends = agree >= aligned and text.startswith(run.tail, aligned)
+            if extends:  # then it agrees with all of it: only what follows is new
+                agree = run.length
         hit = self._extend(text, run, agree) if run is not None else None
         if hit is None:
             st.full_encodes += 1
@@ -338,10 +341,7 @@ class PromptTokenizer:
             st.prefix_hits += 1
             ids, cuts, same = hit
             parent = run
-        aligned = run.length - len(run.tail) if run is not None else -1
-        # text extends the run's whole text: the run is redundant
-        extends = run is not None and agree >= aligned and text.startswith(run.tail, aligned)
-        new = _Run(text, fine_size, ids, cuts)
+        new = _Run(text, fine_size, ids, cuts)  # (a run the new one extends is redundant)
         self._deferred.append((new, [*coarse, *fine, final], run if extends else None))
         return new.ids, new, parent, same
 
@@ -421,6 +421,21 @@ class PromptTokenizer:
                     cut_tokens.append(base_tok + u)
                     break
         return ids, (cut_chars, cut_tokens)
+
+    def _replace(self, run: _Run, digests: list[bytes], superseded: _Run | None) -> None:
+        """Remember run in place of `superseded` (None: none): the checkpoints both share
+        are pointed at the new run, not deleted and added again."""
+        if superseded is None:
+            self._remember(run, digests)
+            return
+        if superseded in self._runs:
+            del self._runs[superseded]
+            self._tokens -= len(superseded.ids)
+        self._remember(run, digests)
+        ckpt = self._ckpt
+        for d in superseded.digests:
+            if ckpt.get(d) is superseded:
+                del ckpt[d]
 
     def _remember(self, run: _Run, digests: list[bytes]) -> None:
         run.digests = digests
