@@ -361,9 +361,24 @@ def test_fast_bpe_refuses_other_tokenizer_layouts(tok):
     assert FastBPE.probe(Tokenizer(models.WordLevel({"a": 0}, unk_token="a"))) is None
 
 
+def test_a_long_prompt_seen_whole_is_answered_by_the_text_cache_alone(tok):
+    """A text the text cache holds is known again by its fingerprint: nothing encoded or
+    hashed, and no second copy of it in the whole-prompt cache."""
+    pt = PromptTokenizer(tok)
+    text = "a prompt long enough to fill several blocks of sixteen tokens each, " * 4
+    ids, keys = pt.ids_and_keys(text, False)
+    assert list(ids) == tok.encode(text, add_special_tokens=False) and keys == ref_keys(list(ids))
+    encodes, hashed, chars = pt.stats.full_encodes, pt.stats.blocks_hashed, pt.stats.chars_encoded
+    again = pt.ids_and_keys(text, False)
+    assert list(again[0]) == list(ids) and again[1] == keys and pt.stats.exact_hits == 1
+    assert (pt.stats.full_encodes, pt.stats.blocks_hashed) == (encodes, hashed)
+    assert pt.stats.chars_encoded == chars and pt.cache_info()["whole_prompts"] == 0
+
+
 def test_a_prompt_seen_whole_is_answered_from_the_whole_prompt_cache(tok):
     pt = PromptTokenizer(tok, whole_entries=2)
-    text = "a prompt long enough to fill several blocks of sixteen tokens each, " * 4
+    text = "a short prompt that fills a block of sixteen tokens: one, two, three, four."
+    assert len(text) < pt.chunk  # (the text cache leaves it out)
     ids, keys = pt.ids_and_keys(text, False)
     ids = list(ids)
     assert ids == tok.encode(text, add_special_tokens=False) and keys == ref_keys(ids)

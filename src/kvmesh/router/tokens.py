@@ -2,8 +2,9 @@
 hashes come from router.block_keys, cached too. What text a request's prompt is (its chat
 rendering, its checks) is protocol.prompt's, shared with the engine; this module only encodes.
 
-A prompt seen before whole (a retry, a benchmark, a repeated question) is answered from a small
-LRU of whole prompts: its ids and block keys with no hashing at all.
+A prompt seen before whole (a retry, a benchmark, a repeated question) is answered with no
+encoding or block hashing: a short one (under ``chunk_chars``, which the text cache leaves out)
+from a small LRU of whole prompts, a longer one from the text cache's exact hit below.
 
 An agent's next prompt is usually its last prompt plus more text. Each encoded text is kept as a
 *run*: its ids and *cuts*, token boundaries that fall on character boundaries. Runs are found
@@ -178,9 +179,14 @@ class PromptTokenizer:
         ``cache_salt``), the pair kept for a prompt seen whole before. Both may be shared with
         earlier callers: read them, never change them. The ids of a cached text come as the
         text cache's compact ``array('I')``: a growing prompt's thousands of ids are copied as
-        bytes, never made into as many int objects (the router reads only their count)."""
+        bytes, never made into as many int objects (the router reads only their count). A text
+        the text cache holds is not keyed again by the whole-prompt cache: the text cache knows
+        a repeat from the text's fingerprint, where a dict key would hash all of it again."""
         if self._deferred:
             self.settle()
+        runs = cache_salt is None and (self._specials is not None or not add_special_tokens)
+        if runs and self._cacheable and len(text) >= self.chunk:
+            return self._run_ids_and_keys(text, add_special_tokens)
         key = (text, add_special_tokens, cache_salt)
         whole = self._whole
         pair = whole.get(key)
@@ -188,7 +194,7 @@ class PromptTokenizer:
             whole.move_to_end(key)
             self.stats.whole_hits += 1
             return pair
-        if cache_salt is None and (self._specials is not None or not add_special_tokens):
+        if runs:
             pair = self._run_ids_and_keys(text, add_special_tokens)
         else:
             ids = self.encode_completion(text, add_special_tokens)
