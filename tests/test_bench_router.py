@@ -92,7 +92,8 @@ def test_interleaved_run_sends_each_request_through_every_router(tmp_path: Path)
     so their added latencies come from the same moments of the host."""
     parser = argparse.ArgumentParser()
     add_args(parser)
-    argv = ["--quick", "--interleave", "--no-micro", "--routers", "kvmesh:kvmesh,kvmesh:random"]
+    argv = ["--interleave", "--no-micro", "--engines", "2", "--requests", "10", "--duration", "0.5"]
+    argv += ["--warmup", "0.2", "--routers", "kvmesh:kvmesh,kvmesh:random"]
     assert main(parser.parse_args([*argv, "--out", str(tmp_path)])) == 0
     (fleet,) = json.loads((tmp_path / "router.json").read_text())["fleets"]
     assert not fleet["failed"]
@@ -100,7 +101,7 @@ def test_interleaved_run_sends_each_request_through_every_router(tmp_path: Path)
     assert set(rows) == {"kvmesh kvmesh", "kvmesh random"}
     for case in ("small", "8k", "small_stream_ttfb", "8k_stream_ttfb"):
         a, b = (rows[k]["latency"][case] for k in sorted(rows))
-        assert a["n"] == b["n"] == 30 and a["errors"] == b["errors"] == 0
+        assert a["n"] == b["n"] == 10 and a["errors"] == b["errors"] == 0
         assert (
             a["direct_p50_ms"] == b["direct_p50_ms"] == fleet["direct"]["latency"][case]["p50_ms"]
         )
