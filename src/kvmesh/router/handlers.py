@@ -88,6 +88,7 @@ def handle_inference(router: Router, door: FrontDoor, request: Request) -> Work 
         return _route(router, door, request, req, set(), t0=t0)
     result = router.pick(req, _NONE)
     router.metrics.scheduling.observe(perf_counter() - t0)
+    router.settle_soon()  # (runs once this callback, and so the send below, is done)
     if result is None:
         return no_endpoint(door)
     if result.prefill is None:
@@ -101,9 +102,7 @@ def handle_inference(router: Router, door: FrontDoor, request: Request) -> Work 
             door.task = fw
             parts = _request_head(router, link, request, req, source)
             fw.start(parts, router.config.first_byte_timeout, request.body)
-            router.settle_soon()
             return None
-    router.settle_soon()
     return _route(router, door, request, req, set(), result)
 
 
