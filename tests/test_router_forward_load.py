@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from kvmesh.router import forward_load
+from kvmesh.router.approx_index import ApproximateIndex
 from kvmesh.router.endpoints import Endpoint
-from kvmesh.router.index import ApproximateIndex
 from kvmesh.router.plugins import NO_MATCH, SchedulingRequest, SchedulingState
 
 

@@ -18,7 +18,8 @@ from kvmesh.protocol.kv_events import (
     decode_batch,
     encode_batch,
 )
-from kvmesh.router.index import ApproximateIndex, PreciseIndex
+from kvmesh.router.approx_index import ApproximateIndex
+from kvmesh.router.index import PreciseIndex
 
 
 def stored(hashes, medium: str | None = "GPU") -> BlockStored:

@@ -6,8 +6,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from kvmesh.protocol.kv_events import BlockStored, KVEventBatch
+from kvmesh.router.approx_index import ApproximateIndex
 from kvmesh.router.endpoints import Endpoint
-from kvmesh.router.index import ApproximateIndex, PreciseIndex
+from kvmesh.router.index import PreciseIndex
 from kvmesh.router.pipeline import Pipeline
 from kvmesh.router.plugins import NO_MATCH, SchedulingRequest, SchedulingState
 

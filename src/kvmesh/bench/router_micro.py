@@ -64,8 +64,9 @@ def run_micro(
 ) -> dict:
     # the bench talks HTTP; this micro-benchmark alone drives the router's code in-process
     from kvmesh.protocol.tokenizer import load_tokenizer
+    from kvmesh.router.approx_index import ApproximateIndex
     from kvmesh.router.endpoints import Endpoint
-    from kvmesh.router.index import ApproximateIndex, PreciseIndex
+    from kvmesh.router.index import PreciseIndex
     from kvmesh.router.pipeline import Pipeline
     from kvmesh.router.plugins import SchedulingRequest
     from kvmesh.router.tokens import PromptTokenizer

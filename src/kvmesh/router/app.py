@@ -13,12 +13,13 @@ import aiohttp
 
 from kvmesh.protocol.auth import bearer, validate_key
 from kvmesh.router import handlers
+from kvmesh.router.approx_index import ApproximateIndex
 from kvmesh.router.block_size import EngineBlockSize
 from kvmesh.router.endpoints import Endpoint, EndpointPool
 from kvmesh.router.engine_model import EngineModelCheck
 from kvmesh.router.events import EventIngest
 from kvmesh.router.frontdoor import FrontDoor, Request
-from kvmesh.router.index import ApproximateIndex, PreciseIndex
+from kvmesh.router.index import PreciseIndex
 from kvmesh.router.k8s_discovery import K8sDiscovery, parse_selector
 from kvmesh.router.listener import RouterServer, serve
 from kvmesh.router.metrics import RouterMetrics

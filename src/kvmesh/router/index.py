@@ -1,11 +1,11 @@
 """Prefix indexes: which endpoint caches which KV blocks.
 
-``PreciseIndex`` mirrors the engines' caches from their KV events (llm-d-kv-cache's in-memory
-index); ``ApproximateIndex`` remembers where the router itself sent each prefix (GIE's
-approx-prefix-cache). Both answer "how many consecutive leading blocks of this request does each
-endpoint hold", walking the request's block keys once while the set of still-matching endpoints
-shrinks, so a query costs O(blocks) dict lookups plus C-level set operations, not
-O(blocks x endpoints). Neither is thread-safe: the router calls them from one event loop.
+``PreciseIndex`` (here) mirrors the engines' caches from their KV events (llm-d-kv-cache's
+in-memory index); ``router.approx_index.ApproximateIndex`` remembers where the router itself
+sent each prefix (GIE's approx-prefix-cache). Both answer "how many consecutive leading blocks
+of this request does each endpoint hold", walking the request's block keys once while the set
+of still-matching endpoints shrinks, so a query costs O(blocks) dict lookups plus C-level set
+operations, not O(blocks x endpoints). Neither is thread-safe: one event loop calls them.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ DEFAULT_MEDIUM_WEIGHTS: dict[str, float] = {"GPU": 1.0, "CPU": 0.8, "DISK": 0.5,
 # key held by one endpoint costs ~141 bytes (uint64 int 40, OrderedDict slot + index + node ~100).
 # Holder objects are shared between blocks, so they add almost nothing per entry.
 _BYTES_PER_BLOCK = 142.0
-_MAX_PENDING = 64  # deferred records or touches applied at once beyond this many
+MAX_PENDING = 64  # deferred records or touches applied at once beyond this many
 
 
 class _Holders:
@@ -217,7 +217,7 @@ class PreciseIndex:
         walk over the blocks and their LRU touches are C-level iterations.
         """
         blocks = self._blocks
-        active = _endpoint_set(endpoints)
+        active = endpoint_set(endpoints)
         if active is not None and not active:
             return {}
         out: dict[str, float] = {}  # endpoints that dropped out -> their match
@@ -248,7 +248,7 @@ class PreciseIndex:
             n += count
         if n and self.touch_on_match:  # the matched blocks, in order: most recently used
             self._touches.append((block_hashes, n))
-            if len(self._touches) > _MAX_PENDING:
+            if len(self._touches) > MAX_PENDING:
                 self.settle()
         if active and n:
             _charge(deficit, pending, active)
@@ -269,7 +269,7 @@ class PreciseIndex:
         return total / max(1, self._entries) if self._entries else _BYTES_PER_BLOCK
 
 
-def _endpoint_set(endpoints: Iterable[str] | None) -> Set[str] | None:
+def endpoint_set(endpoints: Iterable[str] | None) -> Set[str] | None:
     """The endpoints a query is over (None: all); a set is used as given, never changed."""
     if endpoints is None or isinstance(endpoints, (set, frozenset)):
         return endpoints
@@ -290,121 +290,3 @@ def _charge(deficit: dict[str, float], pending: dict[_Holders, int], active: set
         for e, d in h.deficit.items():
             if e in active:
                 deficit[e] = deficit.get(e, 0.0) + d * count
-
-
-class ApproximateIndex:
-    """What each endpoint probably caches, learnt from the router's own past decisions
-    (GIE/llm-d approx-prefix-cache)."""
-
-    def __init__(self, capacity_per_endpoint: int = 31_250) -> None:
-        if capacity_per_endpoint <= 0:
-            raise ValueError(f"capacity_per_endpoint must be positive, got {capacity_per_endpoint}")
-        self.capacity_per_endpoint = capacity_per_endpoint
-        # key -> endpoints sent it. Values are interned frozensets shared by many keys;
-        # _canon[s] = [s, number of keys pointing at s].
-        self._pods: dict[int, frozenset[str]] = {}
-        self._canon: dict[frozenset[str], list] = {}
-        self._lru: dict[str, OrderedDict[int, None]] = {}  # per endpoint, oldest first
-        self._entries = 0  # sum of len(lru) == sum of len(pods[k])
-        # records not yet applied: every read and change applies them first (settle), so no
-        # caller can tell; the router settles once the request that made one is on its way
-        self._pending: list[tuple[str, Sequence[int]]] = []
-
-    def record(self, endpoint: str, block_keys: Sequence[int]) -> None:
-        """`endpoint` was sent a prompt of `block_keys` (read later: never changed)."""
-        self._pending.append((endpoint, block_keys))
-        if len(self._pending) > _MAX_PENDING:
-            self.settle()
-
-    def settle(self) -> None:
-        """Apply the records made since the last read."""
-        pending, self._pending = self._pending, []
-        for endpoint, keys in pending:
-            self._record(endpoint, keys)
-
-    def _record(self, endpoint: str, block_keys: Sequence[int]) -> None:
-        lru = self._lru.get(endpoint)
-        if lru is None:
-            lru = self._lru[endpoint] = OrderedDict()
-        pods = self._pods
-        memo: dict[frozenset[str] | None, frozenset[str]] = {}
-        for key in block_keys:
-            if key in lru:
-                lru.move_to_end(key)
-                continue
-            lru[key] = None
-            self._entries += 1
-            old = pods.get(key)
-            new = memo.get(old)
-            if new is None:
-                new = memo[old] = self._intern(old | {endpoint} if old else frozenset((endpoint,)))
-            self._canon[new][1] += 1
-            if old is not None:
-                self._release(old)
-            pods[key] = new
-        while len(lru) > self.capacity_per_endpoint:
-            key, _ = lru.popitem(last=False)
-            self._drop(endpoint, key)
-
-    def remove_endpoint(self, endpoint: str) -> None:
-        if self._pending:
-            self.settle()
-        for key in self._lru.pop(endpoint, ()):
-            self._drop(endpoint, key)
-
-    def _drop(self, endpoint: str, key: int) -> None:
-        old = self._pods[key]
-        self._entries -= 1
-        self._release(old)
-        if len(old) == 1:
-            del self._pods[key]
-        else:
-            new = self._intern(old - {endpoint})
-            self._canon[new][1] += 1
-            self._pods[key] = new
-
-    def _intern(self, s: frozenset[str]) -> frozenset[str]:
-        entry = self._canon.get(s)
-        if entry is None:
-            entry = self._canon[s] = [s, 0]
-        return entry[0]
-
-    def _release(self, s: frozenset[str]) -> None:
-        entry = self._canon[s]
-        entry[1] -= 1
-        if entry[1] == 0:
-            del self._canon[s]
-
-    def longest_match(
-        self, block_keys: Sequence[int], endpoints: Iterable[str] | None = None
-    ) -> dict[str, int]:
-        """Consecutive leading blocks per endpoint; endpoints with none are absent."""
-        if self._pending:
-            self.settle()
-        active = _endpoint_set(endpoints)
-        if active is not None and not active:
-            return {}
-        counts: dict[str, int] = {}
-        n = 0
-        for s, run in groupby(map(self._pods.get, block_keys)):  # runs of one endpoint set
-            if s is None:  # the first block not sent: groupby read no further
-                break
-            if active is None:
-                active = set(s)
-            elif not s >= active:
-                still = active & s
-                if n:
-                    counts.update(dict.fromkeys(active - still, n))
-                active = still
-            if not active:
-                break
-            n += len(list(run))
-        if active and n:
-            counts.update(dict.fromkeys(active, n))
-        return counts
-
-    def num_entries(self) -> int:
-        """(block, endpoint) pairs recorded; at most capacity_per_endpoint per endpoint."""
-        if self._pending:
-            self.settle()
-        return self._entries

@@ -7,15 +7,13 @@ encoding or block hashing: a short one (under ``chunk_chars``, which the text ca
 from a small LRU of whole prompts, a longer one from the text cache's exact hit below.
 
 An agent's next prompt is usually its last prompt plus more text. Each encoded text is kept as a
-*run*: its ids and *cuts*, token boundaries that fall on character boundaries. Runs are found
-through fingerprints of text prefixes (xxh3-128, seeded per process): coarse ones every
-``16 * chunk_chars`` characters over the whole text, fine ones every ``chunk_chars`` after the
-coarse agreement point (that is where an extended text diverges). A text that agrees with a
-run for ``a`` characters reuses the run's ids up to a cut ``c0`` safely before ``a`` and encodes
-only ``text[c0:]``. Byte-level BPE pre-tokenisation is local, but this is verified, not assumed:
-the fresh tail must reproduce the run's tokens from ``c0`` to the next cut ``c1`` (the seam),
-and a non-space character must follow ``c0`` before the texts may differ (whitespace runs are
-split by lookahead); otherwise the whole text is encoded.
+*run*: its ids and *cuts*, token boundaries that fall on character boundaries; router.text_runs
+finds the run agreeing longest with a text, by fingerprints of text prefixes. A text that
+agrees with a run for ``a`` characters reuses the run's ids up to a cut ``c0`` safely before
+``a`` and encodes only ``text[c0:]``. Byte-level BPE pre-tokenisation is local, but this is
+verified, not assumed: the fresh tail must reproduce the run's tokens from ``c0`` to the next
+cut ``c1`` (the seam), and a non-space character must follow ``c0`` before the texts may differ
+(whitespace runs are split by lookahead); otherwise the whole text is encoded.
 
 Not thread-safe: the router calls it from one event loop.
 """
@@ -23,7 +21,6 @@ Not thread-safe: the router calls it from one event loop.
 from __future__ import annotations
 
 import contextlib
-import secrets
 from array import array
 from bisect import bisect_right
 from collections import OrderedDict
@@ -31,18 +28,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import xxhash
-
 from kvmesh.protocol.hashing import DEFAULT_BLOCK_SIZE, block_hash_to_int
 from kvmesh.protocol.tokenizer import fast_backend, offsets_work, special_affixes
 from kvmesh.router.block_keys import BlockKeyCache, BlockKeyStats
 from kvmesh.router.fastbpe import FastBPE
-
-_COARSE = 16  # fine chunks per coarse chunk
-
-
-def _utf8(s: str) -> bytes:
-    return s.encode("utf-8", "surrogatepass")
+from kvmesh.router.text_runs import Run, RunStore
 
 
 @dataclass
@@ -59,41 +49,6 @@ class TokenizerStats(BlockKeyStats):
 def _first(items: list, n: int) -> list:
     """items[:n], or items itself when that is all of it (lists shared read-only)."""
     return items if n >= len(items) else items[:n]
-
-
-class _Run:
-    """One cached encoding of a text of ``length`` chars.
-
-    Invariants: ``cut_chars``/``cut_tokens`` ascend from (0, 0), and ``ids[:cut_tokens[i]]`` is
-    both the encoding of ``text[:cut_chars[i]]`` and a prefix of the whole text's encoding.
-    ``tail`` is the text after its last fine checkpoint; ``digests`` lists every checkpoint it
-    registered (some may since lead to newer runs). ``keys``/``chain``: the block keys and
-    digests of the full blocks of ``pre + ids`` (no salt), once a prompt asked for them.
-    """
-
-    __slots__ = (
-        "length",
-        "tail",
-        "ids",
-        "cut_chars",
-        "cut_tokens",
-        "digests",
-        "pre",
-        "keys",
-        "chain",
-    )
-
-    def __init__(self, text: str, chunk: int, ids: Sequence[int], cuts: tuple[Any, Any]) -> None:
-        self.length = len(text)
-        self.tail = text[len(text) - len(text) % chunk :]
-        self.ids = ids if isinstance(ids, array) else array("I", ids)
-        chars, tokens = cuts
-        self.cut_chars = chars if isinstance(chars, array) else array("Q", chars)
-        self.cut_tokens = tokens if isinstance(tokens, array) else array("Q", tokens)
-        self.digests: list[bytes] = []
-        self.pre: list[int] | None = None  # the special ids the keys were made with
-        self.keys: list[int] = []
-        self.chain: list[bytes] = []
 
 
 class PromptTokenizer:
@@ -116,27 +71,21 @@ class PromptTokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self.block_size = block_size
-        self.cache_entries = cache_entries  # most runs (cached texts) kept
-        self.cache_tokens = cache_tokens  # most token ids kept over all runs
         self.chunk = chunk_chars
         self.cut_stride = cut_stride
         self.hash_span = hash_span
         self.stats = TokenizerStats()
         # keeps at most hash_cache_blocks block digests; counts into self.stats
         self._keys = BlockKeyCache(block_size, hash_algo, hash_cache_blocks, hash_span, self.stats)
-        self._runs: OrderedDict[_Run, None] = OrderedDict()  # LRU, oldest first
-        self._ckpt: dict[bytes, _Run] = {}  # digest of a text prefix -> a run extending it
-        # a fingerprint, not a security boundary: a collision could only mis-key a routing hint
-        # (engines tokenize on their own), and the seed keeps collisions from being crafted
-        self._seed = secrets.randbits(64)
-        self._tokens = 0
+        # the text cache: at most cache_entries runs and cache_tokens ids over all of them
+        self._runs = RunStore(chunk_chars, cache_entries, cache_tokens)
         # (text, add_special_tokens, cache_salt) -> (ids, keys), oldest first. Invariant: at
         # most whole_entries entries and whole_tokens ids over all (_whole_held of them)
         self._whole: OrderedDict[tuple[str, bool, str | None], tuple[Sequence[int], list[int]]]
         self._whole = OrderedDict()
         self.whole_entries, self.whole_tokens, self._whole_held = whole_entries, whole_tokens, 0
-        # cache entries to add (and runs they supersede), not yet applied: each call applies
-        # them first, so none can tell; the router settles once the request is on its way
+        # whole prompts to keep, not yet kept: each call keeps them first (so none can tell),
+        # and the router settles once the request is on its way, as for the text cache's runs
         self._deferred: list[tuple] = []
         added = getattr(tokenizer, "get_added_vocab", dict)()
         # Texts may differ right after the agreed prefix, and a special token that starts up to
@@ -205,17 +154,14 @@ class PromptTokenizer:
 
     def settle(self) -> None:
         """Apply the cache entries the last calls made."""
+        self._runs.settle()
         deferred, self._deferred = self._deferred, []
         whole = self._whole
-        for item in deferred:
-            if len(item) == 2:  # a whole prompt
-                key, pair = item
-                whole[key] = pair
-                self._whole_held += len(pair[0])
-                while len(whole) > self.whole_entries or self._whole_held > self.whole_tokens:
-                    self._whole_held -= len(whole.popitem(last=False)[1][0])
-            else:  # a run, and the run it supersedes
-                self._replace(*item)
+        for key, pair in deferred:
+            whole[key] = pair
+            self._whole_held += len(pair[0])
+            while len(whole) > self.whole_entries or self._whole_held > self.whole_tokens:
+                self._whole_held -= len(whole.popitem(last=False)[1][0])
 
     def _run_ids_and_keys(
         self, text: str, add_special_tokens: bool
@@ -280,15 +226,13 @@ class PromptTokenizer:
             self.block_size = block_size
             self._whole.clear()
             self._whole_held = 0
-            for run in self._runs:  # their keys were made of blocks of the old size
-                run.pre, run.keys, run.chain = None, [], []
+            self._runs.forget_keys()  # made of blocks of the old size
 
     def cache_info(self) -> dict[str, int]:
-        if self._deferred:
-            self.settle()
+        self.settle()
         return {
-            "runs": len(self._runs),
-            "tokens": self._tokens,
+            "runs": len(self._runs.runs),
+            "tokens": self._runs.tokens,
             "hash_blocks": self._keys.blocks,
             "whole_prompts": len(self._whole),
         }
@@ -298,7 +242,7 @@ class PromptTokenizer:
         ids = self._encode_run(text)[0]
         return ids.tolist() if isinstance(ids, array) else ids
 
-    def _encode_run(self, text: str) -> tuple[Sequence[int], _Run | None, _Run | None, int]:
+    def _encode_run(self, text: str) -> tuple[Sequence[int], Run | None, Run | None, int]:
         """Ids of ``text``; the run now holding it (None: not cached); and a run (``parent``)
         whose ids equal these for the first ``same`` (so do their block keys)."""
         st = self.stats
@@ -307,37 +251,12 @@ class PromptTokenizer:
             st.full_encodes += 1
             st.chars_encoded += len(text)
             return self._plain(text, False), None, None, 0
-        ckpt, fine_size = self._ckpt, self.chunk
-        raw = memoryview(text.encode()) if text.isascii() else None  # a byte per character
-        coarse, states, final = self._coarse_digests(text, raw)
-        run = ckpt.get(final)
-        if run is not None and run.length == len(text):  # equal digests: equal texts
+        found = self._runs.find(text)
+        if found.exact is not None:
             st.exact_hits += 1
-            self._runs.move_to_end(run)
-            return run.ids, run, run, len(run.ids)
-        k = len(coarse)
-        while k and coarse[k - 1] not in ckpt:
-            k -= 1
-        start = k * fine_size * _COARSE
-        fine, h = [], states[k]  # fine[i]: digest of text[:start + (i+1)*chunk]
-        for a in range(start, len(text) - fine_size + 1, fine_size):
-            if raw is not None:
-                h.update(raw[a : a + fine_size])
-            else:
-                h.update(_utf8(text[a : a + fine_size]))
-            fine.append(h.digest())
-        run, agree = (ckpt[coarse[k - 1]], start) if k else (None, 0)
-        for i in range(len(fine) - 1, -1, -1):
-            if fine[i] in ckpt:
-                run, agree = ckpt[fine[i]], start + (i + 1) * fine_size
-                break
-        extends = False  # text extends the run's whole text (an agent's next turn)
-        if run is not None:
-            aligned = run.length - len(run.tail)
-            extends = agree >= aligned and text.startswith(run.tail, aligned)
-            if extends:  # then it agrees with all of it: only what follows is new
-                agree = run.length
-        hit = self._extend(text, run, agree) if run is not None else None
+            return found.exact.ids, found.exact, found.exact, len(found.exact.ids)
+        run = found.run
+        hit = self._extend(text, run, found.agree) if run is not None else None
         if hit is None:
             st.full_encodes += 1
             ids, cuts = self._encode_with_cuts(text, 0, 0)
@@ -347,28 +266,12 @@ class PromptTokenizer:
             st.prefix_hits += 1
             ids, cuts, same = hit
             parent = run
-        new = _Run(text, fine_size, ids, cuts)  # (a run the new one extends is redundant)
-        self._deferred.append((new, [*coarse, *fine, final], run if extends else None))
+        new = Run(text, self.chunk, ids, cuts)
+        self._runs.add(new, found)
         return new.ids, new, parent, same
 
-    def _coarse_digests(
-        self, text: str, raw: memoryview | None
-    ) -> tuple[list[bytes], list[Any], bytes]:
-        """Digests of text[:k*coarse] for k = 1.., the hasher state at each k (k = 0 too), and
-        the digest of the whole text (``raw``: the text's bytes, when one per character)."""
-        size = self.chunk * _COARSE
-        h = xxhash.xxh3_128(seed=self._seed)
-        out, states = [], [h.copy()]
-        whole = len(text) - len(text) % size
-        for a in range(0, whole, size):
-            h.update(raw[a : a + size] if raw is not None else _utf8(text[a : a + size]))
-            out.append(h.digest())
-            states.append(h.copy())
-        h.update(raw[whole:] if raw is not None else _utf8(text[whole:]))
-        return out, states, h.digest()
-
     def _extend(
-        self, text: str, run: _Run, agree: int
+        self, text: str, run: Run, agree: int
     ) -> tuple[array, tuple[array, array], int] | None:
         """Ids and cuts of ``text`` reusing ``run``, whose text starts with ``text[:agree]``,
         and how many of its first ids are the run's; None when no safe cut exists or the seam
@@ -427,39 +330,3 @@ class PromptTokenizer:
                     cut_tokens.append(base_tok + u)
                     break
         return ids, (cut_chars, cut_tokens)
-
-    def _replace(self, run: _Run, digests: list[bytes], superseded: _Run | None) -> None:
-        """Remember run in place of `superseded` (None: none): the checkpoints both share
-        are pointed at the new run, not deleted and added again."""
-        if superseded is None:
-            self._remember(run, digests)
-            return
-        if superseded in self._runs:
-            del self._runs[superseded]
-            self._tokens -= len(superseded.ids)
-        self._remember(run, digests)
-        ckpt = self._ckpt
-        for d in superseded.digests:
-            if ckpt.get(d) is superseded:
-                del ckpt[d]
-
-    def _remember(self, run: _Run, digests: list[bytes]) -> None:
-        run.digests = digests
-        ckpt = self._ckpt
-        for d in run.digests:
-            ckpt[d] = run
-        self._runs[run] = None
-        self._tokens += len(run.ids)
-        while len(self._runs) > 1 and (
-            len(self._runs) > self.cache_entries or self._tokens > self.cache_tokens
-        ):
-            self._drop(next(iter(self._runs)))
-
-    def _drop(self, run: _Run) -> None:
-        if run in self._runs:
-            del self._runs[run]
-            self._tokens -= len(run.ids)
-        ckpt = self._ckpt
-        for d in run.digests:
-            if ckpt.get(d) is run:
-                del ckpt[d]

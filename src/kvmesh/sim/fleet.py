@@ -38,7 +38,8 @@ from kvmesh.engine.sequence import SamplingParams
 from kvmesh.protocol.hashing import BlockHasher
 from kvmesh.protocol.kv_events import KVEventBatch
 from kvmesh.router import forward_load
-from kvmesh.router.index import ApproximateIndex, PreciseIndex
+from kvmesh.router.approx_index import ApproximateIndex
+from kvmesh.router.index import PreciseIndex
 from kvmesh.router.peer_source import PeerSourceConfig, select_source
 from kvmesh.router.pipeline import Pipeline
 from kvmesh.router.plugins import SchedulingRequest
