@@ -183,6 +183,26 @@ def test_a_prompt_extending_a_known_one_hashes_only_its_new_blocks(tok):
     assert pt.stats.full_encodes == 1 and pt.stats.prefix_hits == 3
 
 
+def test_a_known_text_with_a_new_ending_re_encodes_from_where_they_differ(tok):
+    """A prompt that repeats a known one but for its last characters (a shared context with a
+    new question, a benchmark's unique suffix) agrees with it character by character past its
+    last fingerprint, so only a seam before the difference is encoded again."""
+    pt = PromptTokenizer(tok)
+    base = " ".join(f"line {i}: the agent reads file_{i}.py and edits it." for i in range(200))
+    pt.ids_and_keys(base + " #0", True)
+    for i in range(1, 40):
+        text = f"{base} #{i * 7919}"
+        chars = pt.stats.chars_encoded
+        ids, keys = pt.ids_and_keys(text, True)
+        full = tok.encode(text, add_special_tokens=True)
+        assert list(ids) == full and keys == ref_keys(full)
+        # the margin, a seam of a cut stride or two and the new characters (~80 here): less
+        # than the 128-character chunk that the last fingerprint ends, which agreeing only
+        # up to that fingerprint would encode again on top (~175)
+        assert pt.stats.chars_encoded - chars < pt.chunk, i
+    assert pt.stats.full_encodes == 1 and pt.stats.seam_failures == 0
+
+
 def test_branching_and_unrelated_texts(tok):
     pt = PromptTokenizer(tok, chunk_chars=32)
     root = "System: be terse.\n" + "Shared context line with numbers 123456.\n" * 40

@@ -29,6 +29,19 @@ def utf8(s: str) -> bytes:
     return s.encode("utf-8", "surrogatepass")
 
 
+def _common(text: str, start: int, tail: str) -> int:
+    """How many leading characters of ``tail`` ``text`` repeats from ``start`` (a binary
+    search of C-level compares: a tail is shorter than a fine chunk)."""
+    lo, hi = 0, min(len(tail), len(text) - start)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if text.startswith(tail[:mid], start):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 class Run:
     """One cached encoding of a text of ``length`` chars.
 
@@ -116,9 +129,9 @@ class RunStore:
         extends = False
         if run is not None:
             aligned = run.length - len(run.tail)
-            extends = agree >= aligned and text.startswith(run.tail, aligned)
-            if extends:  # then it agrees with all of it: only what follows is new
-                agree = run.length
+            if agree >= aligned:  # it agrees with all the run's checkpoints: read on in its tail
+                extends = text.startswith(run.tail, aligned)
+                agree = run.length if extends else aligned + _common(text, aligned, run.tail)
         return Found(None, run, agree, extends, [*coarse, *fine, final])
 
     def add(self, run: Run, found: Found) -> None:
