@@ -169,3 +169,36 @@ async def test_ranks_are_discovered_from_the_metrics_page(tokenizer) -> None:
         finally:
             await server.cleanup()
             engine.server.close()
+
+
+async def test_ranks_are_read_again_every_few_seconds_not_every_scrape(tokenizer, monkeypatch):
+    from kvmesh.router import endpoints
+
+    reads: list[int] = []
+
+    def counted(text: str) -> list[int]:
+        reads.append(1)
+        return page_ranks(text)
+
+    page_ranks = endpoints.page_ranks
+    monkeypatch.setattr(endpoints, "page_ranks", counted)
+    monkeypatch.setattr(endpoints, "RANKS_EVERY", 0.5)
+    engine = await Engine("ok").start()
+    engine.page = PAGE.replace(b'engine="1"', b'engine="0"')  # one rank at first
+    cfg = RouterConfig(
+        [engine.url], preset="round-robin", kv_events=None, scrape_interval=0.02,
+        engine_model_check=False,
+    )  # fmt: skip
+    router = Router(cfg, tokenizer)
+    server = await start_router(router, "127.0.0.1", 0)
+    eps = router.pool.endpoints
+    try:
+        e = eps[engine.url]
+        scraped = e.last_scrape
+        await _until(lambda: e.last_scrape > scraped + 0.2)  # ~10 scrapes
+        assert list(eps) == [engine.url] and len(reads) <= 2
+        engine.page = PAGE  # the second rank's series appear: split at the next ranks read
+        await _until(lambda: sorted(eps) == [f"{engine.url}#dp0", f"{engine.url}#dp1"])
+    finally:
+        await server.cleanup()
+        engine.server.close()

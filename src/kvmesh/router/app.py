@@ -257,7 +257,7 @@ class Router:
         try:
             if self.discovery is not None:  # its pods join the first scrape, as a file's would
                 await self.discovery.start()
-            await self.pool.scrape_once(self.session)
+            await self.pool.scrape_once()
             self.block_size.start(self.pool.endpoints.values())
             await self.model_check.start(self.session)
         except BaseException:
@@ -273,7 +273,7 @@ class Router:
             for e in self.pool.endpoints.values():
                 e.kv_events = e.kv_events or self.config.kv_events
                 self.events.watch(e)
-        await self.pool.start(self.session)
+        await self.pool.start()
 
     async def wait_index_warm(self) -> None:
         """Until every endpoint's replay is in the precise index or the warm-up time is over."""

@@ -13,17 +13,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-import aiohttp
 import yaml
 
 from kvmesh.protocol.prom import parse_block_size, parse_engine_load
 from kvmesh.protocol.zmq_events import offset_endpoint
 from kvmesh.router.outlier import OutlierDetection, ejection_ended, forget_ejections
+from kvmesh.router.page_reader import PageError, PageReader
 
 logger = logging.getLogger(__name__)
 LOST_AFTER = 3
 MAX_BACKOFF = 2.0  # an unreachable endpoint is checked again at least this often
 START_SCRAPE_TIMEOUT = 3.0  # seconds the router's start waits for the first /metrics reads
+SCRAPE_TIMEOUT = 2.0  # seconds one /metrics read may take
+RANKS_EVERY = 10.0  # seconds between reads of a server's data-parallel ranks off its page
 
 
 @dataclass(slots=True, eq=False)
@@ -173,7 +175,8 @@ class EndpointPool:
         self.outlier = outlier or OutlierDetection()
         self._file_mtime = 0.0
         self._tasks: list[asyncio.Task] = []
-        self._session: aiohttp.ClientSession | None = None
+        self.reader = PageReader()  # the /metrics reads, a keep-alive connection per server
+        self._ranks_read: dict[str, float] = {}  # server -> when its ranks were last read
 
     def add(self, e: Endpoint) -> None:
         """e joins the pool (its KV events, indexes and connections follow via on_added)."""
@@ -220,12 +223,9 @@ class EndpointPool:
         if self.metrics is not None:
             getattr(self.metrics, counter).labels(name, reason).inc()
 
-    async def scrape_once(
-        self, session: aiohttp.ClientSession, timeout: float = START_SCRAPE_TIMEOUT
-    ) -> None:
+    async def scrape_once(self, timeout: float = START_SCRAPE_TIMEOUT) -> None:
         """One /metrics read of every endpoint, given up after ``timeout`` seconds: the
         router's start learns health, load, data-parallel ranks and block sizes from it."""
-        self._session = session
         if self.endpoints_file:
             self._reload_file()
         servers: dict[str, list[Endpoint]] = {}
@@ -235,8 +235,7 @@ class EndpointPool:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(reads, timeout)
 
-    async def start(self, session: aiohttp.ClientSession) -> None:
-        self._session = session
+    async def start(self) -> None:
         if self.endpoints_file:
             self._reload_file()
         self._tasks.append(asyncio.create_task(self._scrape_loop()))
@@ -249,6 +248,7 @@ class EndpointPool:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+        self.reader.close()
 
     def _reload_file(self) -> None:
         path = Path(self.endpoints_file)
@@ -290,19 +290,21 @@ class EndpointPool:
 
     async def scrape(self, *endpoints: Endpoint) -> None:
         """One /metrics read of a server doubles as the health check of each of its ranks."""
-        assert self._session is not None
+        url = endpoints[0].url
         try:
-            async with self._session.get(
-                endpoints[0].url + "/metrics", timeout=aiohttp.ClientTimeout(total=2.0)
-            ) as resp:
-                if resp.status != 200:
-                    raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
-                text = await resp.text()
-        except (TimeoutError, aiohttp.ClientError, OSError):
+            text = await self.reader.read(url + "/metrics", SCRAPE_TIMEOUT)
+        except PageError:
+            self._ranks_read.pop(url, None)
             for e in endpoints:
                 self.unreachable(e)
             return
-        if self.discover_data_parallel and endpoints[0].dp_rank is None:
+        now = time.monotonic()
+        if (
+            self.discover_data_parallel
+            and endpoints[0].dp_rank is None
+            and now - self._ranks_read.get(url, -RANKS_EVERY) >= RANKS_EVERY
+        ):  # read when it is reached again, and every RANKS_EVERY seconds: not every scrape
+            self._ranks_read[url] = now
             ranks = page_ranks(text)
             if len(ranks) > 1:
                 endpoints = self._split(endpoints, ranks)
