@@ -65,25 +65,22 @@ class PlacementCostScorer(PrefixReader):
             if value < 0:
                 raise ValueError(f"{self.name}: {key} must be >= 0, got {value}")
 
-    def costs(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> list[float]:
-        """Each endpoint's placement cost, in tokens of prefill, in the order given. Its batch
-        is scorers.requests_in_flight, inline: one loop, the router's hottest scorer."""
+    def score(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> list[float]:
+        """Each endpoint's cost (tokens of prefill), then (best + n) / (cost + n). The batch an
+        endpoint's stall holds up is scorers.requests_in_flight, inline: one loop over the
+        endpoints for the costs, the router's hottest scorer."""
         prompt = len(req.token_ids)
         decode_weight, waiting_weight = self.decode_weight, self.waiting_weight
-        out = []
+        cost = []
         for e, uncached in zip(endpoints, req.state.uncached_of(endpoints), strict=True):
             f, waiting = e.in_flight, e.waiting
             g = e.running + waiting
-            out.append(
+            cost.append(
                 e.pending_prefill_tokens
                 + uncached * (1.0 + decode_weight * (f if f > g else g))
                 + waiting_weight * waiting * prompt
             )
-        return out
-
-    def score(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> list[float]:
-        cost = self.costs(req, endpoints)
-        n = len(req.token_ids) or 1
+        n = prompt or 1
         best = cost[0] if cost else 0.0
         for c in cost:
             if c < best:
