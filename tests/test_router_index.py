@@ -252,12 +252,13 @@ def test_approximate_record_and_match():
 
 def test_approximate_lru_per_endpoint():
     idx = ApproximateIndex(capacity_per_endpoint=4)
-    idx.record("a", [1, 2, 3, 4])
+    idx.record("a", [1, 2, 3, 4])  # touched 4, 3, 2, 1: a's oldest is the prompt's last block
     idx.record("b", [1, 2])
-    idx.record("a", [1])  # refresh 1: 2 is now a's oldest
-    idx.record("a", [5])  # evicts a's 2
-    assert idx.longest_match([1, 2, 3]) == {"a": 1, "b": 2}
+    idx.record("a", [5])  # evicts a's 4, not its 1: what a holds is still a prefix
+    assert idx.longest_match([1, 2, 3, 4]) == {"a": 3, "b": 2}
     assert idx.num_entries() == 6
+    idx.record("a", [6, 7])  # evicts 3 and 2
+    assert idx.longest_match([1, 2, 3]) == {"a": 1, "b": 2}
     idx.remove_endpoint("b")
     idx.remove_endpoint("zzz")
     assert idx.longest_match([1, 2, 3]) == {"a": 1}
@@ -265,19 +266,27 @@ def test_approximate_lru_per_endpoint():
 
 
 def test_approximate_matches_naive_model():
+    """Random prompts over a small tree of shared prefixes, keyed as chains (a key names its
+    whole prefix, as block hashes do), against a model of per-endpoint LRUs touched last block
+    first: the binary searches agree with a walk over every block."""
     rng = random.Random(3)
     cap = 12
     idx = ApproximateIndex(capacity_per_endpoint=cap)
     model: dict[str, list[int]] = {}  # endpoint -> keys, most recent last
     endpoints = ["a", "b", "c", "d"]
-    for _ in range(2000):
+    ids: dict[tuple[int, ...], int] = {}  # a prefix -> its key
+
+    def prompt_keys() -> list[int]:
+        tokens = [rng.randrange(3) for _ in range(rng.randrange(1, 14))]
+        return [ids.setdefault(tuple(tokens[: j + 1]), len(ids) + 1) for j in range(len(tokens))]
+
+    for _ in range(3000):
         ep = rng.choice(endpoints)
         if rng.random() < 0.95:
-            start = rng.randrange(10)
-            keys = list(range(start, start + rng.randrange(1, 10)))
+            keys = prompt_keys()
             idx.record(ep, keys)
             lru = model.setdefault(ep, [])
-            for k in keys:
+            for k in reversed(keys):
                 if k in lru:
                     lru.remove(k)
                 lru.append(k)
@@ -285,7 +294,7 @@ def test_approximate_matches_naive_model():
         else:
             idx.remove_endpoint(ep)
             model.pop(ep, None)
-        query = list(range(rng.randrange(4), 20))
+        query = prompt_keys()
         expect = {}
         for e, keys in model.items():
             n = 0

@@ -1,14 +1,20 @@
 """The approximate prefix index: what each endpoint probably caches, learnt from where the
 router itself sent each prompt's blocks (GIE's approx-prefix-cache), for the blocks whose KV
 events have not come yet. Answers as router.index.PreciseIndex does: consecutive leading blocks
-per endpoint, one walk over the request's keys. Not thread-safe: one event loop calls it.
+per endpoint. Not thread-safe: one event loop calls it.
+
+Unlike GIE's, a record touches a prompt's blocks last to first, so an endpoint's LRU drops a
+prompt's blocks from its end (a block is worth nothing without the blocks before it, as vLLM
+frees a request's blocks tail first). Block keys are chained (a key names its whole prefix),
+so every record of a block also records the blocks before it, later: what an endpoint holds of
+any prompt is a prefix of it. A lookup then finds where each endpoint's prefix ends by binary
+search, a few probes per endpoint instead of one per block of a long context.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from itertools import groupby
 
 from kvmesh.router.index import MAX_PENDING, endpoint_set
 
@@ -49,7 +55,7 @@ class ApproximateIndex:
             lru = self._lru[endpoint] = OrderedDict()
         pods = self._pods
         memo: dict[frozenset[str] | None, frozenset[str]] = {}
-        for key in block_keys:
+        for key in reversed(block_keys):  # the first block touched last: evicted last
             if key in lru:
                 lru.move_to_end(key)
                 continue
@@ -99,29 +105,37 @@ class ApproximateIndex:
     def longest_match(
         self, block_keys: Sequence[int], endpoints: Iterable[str] | None = None
     ) -> dict[str, int]:
-        """Consecutive leading blocks per endpoint; endpoints with none are absent."""
+        """Consecutive leading blocks per endpoint; endpoints with none are absent. Each holds a
+        prefix of the keys (see the module's note), so the blocks every endpoint of a set holds
+        end where a binary search says, and the set shrinks there: one search per drop."""
         if self._pending:
             self.settle()
         active = endpoint_set(endpoints)
-        if active is not None and not active:
+        if (active is not None and not active) or not block_keys:
             return {}
+        get, last = self._pods.get, len(block_keys) - 1
+        first = get(block_keys[0])
+        if first is None:
+            return {}
+        held = set(first) if active is None else first & active  # all hold blocks 0..lo
         counts: dict[str, int] = {}
-        n = 0
-        for s, run in groupby(map(self._pods.get, block_keys)):  # runs of one endpoint set
-            if s is None:  # the first block not sent: groupby read no further
+        lo = 0
+        while held:
+            hi = last
+            while lo < hi:  # the last block that all of `held` hold
+                mid = (lo + hi + 1) // 2
+                s = get(block_keys[mid])
+                if s is not None and s >= held:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            if lo == last:
+                counts.update(dict.fromkeys(held, lo + 1))
                 break
-            if active is None:
-                active = set(s)
-            elif not s >= active:
-                still = active & s
-                if n:
-                    counts.update(dict.fromkeys(active - still, n))
-                active = still
-            if not active:
-                break
-            n += len(list(run))
-        if active and n:
-            counts.update(dict.fromkeys(active, n))
+            s = get(block_keys[lo + 1])
+            still = held & s if s is not None else set()
+            counts.update(dict.fromkeys(held - still, lo + 1))
+            held, lo = still, lo + 1
         return counts
 
     def num_entries(self) -> int:
