@@ -105,3 +105,34 @@ async def test_a_server_that_closes_after_each_answer_is_read_anew():
     finally:
         reader.close()
         await runner.cleanup()
+
+
+async def test_a_page_that_ends_with_the_connection_is_read_whole():
+    """An HTTP/1.0 exporter (prometheus_client's own server) sends no length: the body ends
+    when the server closes; a close before the head is in is a failure."""
+    body = PAGE.encode()
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        if writer.get_extra_info("sockname")[1] == bad_port:
+            writer.close()
+            return
+        writer.write(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\n" + body[:500])
+        await writer.drain()
+        writer.write(body[500:])
+        writer.close()
+
+    good = await asyncio.start_server(answer, "127.0.0.1", 0)
+    bad = await asyncio.start_server(answer, "127.0.0.1", 0)
+    good_port = good.sockets[0].getsockname()[1]
+    bad_port = bad.sockets[0].getsockname()[1]
+    reader = PageReader()
+    try:
+        for _ in range(2):
+            assert await reader.read(f"http://127.0.0.1:{good_port}/metrics", 2.0) == PAGE
+        with pytest.raises(PageError, match="connection closed"):
+            await reader.read(f"http://127.0.0.1:{bad_port}/metrics", 2.0)
+    finally:
+        reader.close()
+        good.close()
+        bad.close()

@@ -1,8 +1,8 @@
 """How the router reads its endpoints' /metrics pages: a GET on a keep-alive connection per
-server, the answer read by llhttp (httptools, strictly: Content-Length or chunked, at most
-MAX_PAGE bytes). A general HTTP client costs a scrape several times as much CPU, and a router
-scrapes every endpoint ten times a second: with a fleet of a hundred engines that was most of
-a core spent reading gauges.
+server, the answer read by llhttp (httptools, strictly: framed by Content-Length, chunks or the
+server's close, as an HTTP/1.0 exporter frames it; at most MAX_PAGE bytes). A general HTTP
+client costs a scrape several times as much CPU, and a router scrapes every endpoint ten times
+a second: with a fleet of a hundred engines that was most of a core spent reading gauges.
 
 Not thread-safe: one event loop uses it.
 """
@@ -33,12 +33,16 @@ class _Reading(asyncio.Protocol):
         self.size = 0
         self.reusable = False  # the last answer ended and the server keeps the connection
         self.closed = False
+        self.headed = False  # the answer's head is in
+        self.framed = False  # ... and says where its body ends (else: at the close)
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self.transport = transport
 
     def connection_lost(self, exc) -> None:
         self.closed = True
+        if self.answer is not None and self.headed and not self.framed and exc is None:
+            self.on_message_complete()  # a body that ends with the connection
         self._fail(f"connection closed: {exc or 'by the server'}")
 
     def data_received(self, data: bytes) -> None:
@@ -51,6 +55,16 @@ class _Reading(asyncio.Protocol):
             self._fail(f"malformed answer: {exc}")
             self.transport.abort()
 
+    def on_message_begin(self) -> None:
+        self.headed = self.framed = False
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() in (b"content-length", b"transfer-encoding"):
+            self.framed = True
+
+    def on_headers_complete(self) -> None:
+        self.headed = True
+
     def on_body(self, body: bytes) -> None:
         self.size += len(body)
         if self.size > MAX_PAGE:
@@ -61,7 +75,7 @@ class _Reading(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         status = self.parser.get_status_code()
-        self.reusable = self.parser.should_keep_alive()
+        self.reusable = not self.closed and self.parser.should_keep_alive()
         answer, self.answer = self.answer, None
         body, self.parts, self.size = b"".join(self.parts), [], 0
         if answer is None or answer.done():
