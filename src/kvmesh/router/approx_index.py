@@ -117,7 +117,7 @@ class ApproximateIndex:
         first = get(block_keys[0])
         if first is None:
             return {}
-        held = set(first) if active is None else first & active  # all hold blocks 0..lo
+        held = first if active is None else first & active  # all hold blocks 0..lo
         counts: dict[str, int] = {}
         lo = 0
         while held:
@@ -133,7 +133,7 @@ class ApproximateIndex:
                 counts.update(dict.fromkeys(held, lo + 1))
                 break
             s = get(block_keys[lo + 1])
-            still = held & s if s is not None else set()
+            still = held & s if s is not None else frozenset()
             counts.update(dict.fromkeys(held - still, lo + 1))
             held, lo = still, lo + 1
         return counts

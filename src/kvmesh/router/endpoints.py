@@ -318,7 +318,7 @@ class EndpointPool:
             e.mark_success()
             page = rank_page(text, e.dp_rank)
             e.waiting, e.running, e.kv_usage = parse_engine_load(page)
-            e.last_scrape = time.monotonic()
+            e.last_scrape = now
             # kvmesh's cache_config_info has no engine label: the whole page's then
             e.block_size = parse_block_size(page) or parse_block_size(text)
             self.check_block_size(e)

@@ -96,7 +96,7 @@ class PageReader:
     """GETs of small text pages (/metrics), each server's connection kept between reads."""
 
     def __init__(self) -> None:
-        self._idle: dict[str, list[_Reading]] = {}  # "host:port" -> idle connections
+        self._idle: dict[str, list[_Reading]] = {}  # "scheme://host:port" -> idle connections
         self._ssl: _ssl.SSLContext | None = None
 
     async def read(self, url: str, timeout: float) -> str:
