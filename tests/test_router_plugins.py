@@ -196,6 +196,8 @@ schedulingProfiles:
     ctx = Indexes(precise={"b": 4.0})
     pipe = Pipeline.from_yaml(yaml_text, ctx)
     e = eps(a=(0, 0, 0), b=(4, 0, 0))
+    assert pipe.schedule(req(), e).profiles["default"].scores == {}  # not explaining: totals
+    pipe.explain = True
     result = pipe.schedule(req(), e)
     assert result.primary.name == "b"
     pr = result.profiles["default"]

@@ -44,6 +44,7 @@ def test_pd_prefill_profile_follows_the_prefill_endpoint_that_holds_the_prompt()
     req = pd_request()
     ctx = indexes_with_p1_holding(req.block_keys)
     pipeline = Pipeline.preset("pd", ctx)
+    pipeline.explain = True
     result = pipeline.schedule(req, role_endpoints())
     assert result.primary is not None and result.primary.name in ("d1", "d2")
     assert result.prefill is not None and result.prefill.name == "p1"

@@ -318,8 +318,9 @@ class Router:
             candidates = [e for e in candidates if e.name not in exclude]
         if not candidates:
             return None
+        explain = self.pipeline.explain = decisions.isEnabledFor(logging.DEBUG)
         result = self.pipeline.schedule(req, candidates)
-        if decisions.isEnabledFor(logging.DEBUG):
+        if explain:
             for pname, pr in result.profiles.items():
                 decisions.debug(
                     "request %s profile %s -> %s totals=%s scores=%s",

@@ -5,8 +5,9 @@ prefix matches its plugins declare they read, over every candidate endpoint."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from math import isfinite
+from types import MappingProxyType
 from typing import Any
 
 import yaml
@@ -24,6 +25,9 @@ from kvmesh.router.plugins import (
     build_plugin,
     plugin_type,
 )
+from kvmesh.router.plugins.terms import ProfileTotals, compile_profile
+
+_NO_SCORES: Mapping[str, list[float]] = MappingProxyType({})  # a pass that does not explain
 
 __all__ = ["PRESETS", "Pipeline", "Profile", "ProfileResult", "SchedulingResult"]
 
@@ -128,45 +132,13 @@ class Profile:
     scorers: list[tuple[Any, float]] = field(default_factory=list)
     picker: Any = None
     hooks: list[Any] = field(default_factory=list)  # its scorers with a `chosen` hook
+    # (req, endpoints) -> (weighted totals, None): its scorers joined (plugins.terms); and
+    # the same with each scorer's scores, for a pipeline that explains its picks
+    totals: ProfileTotals | None = None
+    explained: ProfileTotals | None = None
 
     def plugins(self) -> list[Any]:
         return [*self.filters, *(s for s, _ in self.scorers), self.picker]
-
-
-def weighted_totals(n: int, weighted: list[tuple[float, list[float]]]) -> list[float]:
-    """0.0 + w * s[i] of each (w, s) in turn, for i < n. Over a few endpoints one loop per
-    endpoint (a comprehension's setup costs more than its items); over more, up to four lists
-    per comprehension (a pass per scorer over hundreds of endpoints costs more than the
-    additions), skipping lists all 0: they would add nothing, as a total starts at +0.0, so
-    is never -0.0, and x + (+-0.0) == x for any other x (0 times a weight that is not finite
-    would be NaN: such a list is kept)."""
-    totals = [0.0] * n
-    if n <= 8:
-        for i in range(n):
-            t = 0.0
-            for w, s in weighted:
-                t += w * s[i]
-            totals[i] = t
-        return totals
-    weighted = [(w, s) for w, s in weighted if any(s) or not isfinite(w)]
-    for i in range(0, len(weighted), 4):
-        chunk = weighted[i : i + 4]
-        if len(chunk) == 4:
-            (w, a), (x, b), (y, c), (z, d) = chunk
-            totals = [
-                t + w * p + x * q + y * r + z * s
-                for t, p, q, r, s in zip(totals, a, b, c, d, strict=True)
-            ]
-        elif len(chunk) == 3:
-            (w, a), (x, b), (y, c) = chunk
-            totals = [t + w * p + x * q + y * r for t, p, q, r in zip(totals, a, b, c, strict=True)]
-        elif len(chunk) == 2:
-            (w, a), (x, b) = chunk
-            totals = [t + w * p + x * q for t, p, q in zip(totals, a, b, strict=True)]
-        else:
-            ((w, a),) = chunk
-            totals = [t + w * p for t, p in zip(totals, a, strict=True)]
-    return totals
 
 
 class Pipeline:
@@ -174,7 +146,10 @@ class Pipeline:
     and the plugins its profiles use declare: `reads_tokens` (else the router skips tokenizing),
     `reads_precise_index` (else no KV-event subscriptions) and `reads_approximate_index`."""
 
-    def __init__(self, config: dict, ctx: PluginContext) -> None:
+    def __init__(self, config: dict, ctx: PluginContext, explain: bool = False) -> None:
+        # keep each scorer's scores in the profiles' results (ProfileResult.scores; debug
+        # logs, tests), else only their totals
+        self.explain = explain
         self.plugins: dict[str, Any] = {}
         kinds: dict[str, str] = {}
         handler: tuple[str, str, Any] = ("single-profile-handler", "single-profile-handler", None)
@@ -206,6 +181,9 @@ class Pipeline:
             if profile.picker is None:  # injected default, as llm-d's
                 profile.picker = build_plugin("max-score-picker", "max-score-picker", {}, ctx)
             profile.hooks = [s for s, _ in profile.scorers if hasattr(s, "chosen")]
+            if profile.scorers:
+                profile.totals = compile_profile(profile.scorers)
+                profile.explained = compile_profile(profile.scorers, explain=True)
             self.profiles[profile.name] = profile
         self.handler = build_plugin(*handler, self.profiles)
         used = [self.handler, *(p for prof in self.profiles.values() for p in prof.plugins())]
@@ -245,16 +223,17 @@ class Pipeline:
             result = profiles[profile.name] = ProfileResult(None, endpoints, [], {})
             return result
         # every score and total is a list aligned with `endpoints`
-        scores: dict[str, list[float]] = {}
-        weighted: list[tuple[float, list[float]]] = []
-        for scorer, weight in profile.scorers:
-            s = scores[scorer.name] = scorer.score(req, endpoints)
-            weighted.append((weight, s))
-        totals = weighted_totals(len(endpoints), weighted)
+        run = profile.explained if self.explain else profile.totals
+        if run is None:  # no scorer: every total 0
+            totals, scores = [0.0] * len(endpoints), None
+        else:
+            totals, scores = run(req, endpoints)
         chosen = profile.picker.pick(totals, endpoints)
         for scorer in profile.hooks:
             scorer.chosen(req, chosen)
-        result = profiles[profile.name] = ProfileResult(chosen, endpoints, totals, scores)
+        result = profiles[profile.name] = ProfileResult(
+            chosen, endpoints, totals, _NO_SCORES if scores is None else scores
+        )
         return result
 
     def schedule(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> SchedulingResult:

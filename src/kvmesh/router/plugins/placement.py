@@ -11,19 +11,23 @@ than recomputing elsewhere, and cold prompts go where the least prefill is waiti
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from kvmesh.router.plugins.base import PrefixReader, SchedulingRequest
-
-if TYPE_CHECKING:
-    from kvmesh.router.endpoints import Endpoint
+from kvmesh.router.plugins.base import PrefixReader
+from kvmesh.router.plugins.terms import Term, TermScorer
 
 
 @dataclass(slots=True)
-class PrefillBacklogScorer(PrefixReader):
+class PrefillBacklogScorer(PrefixReader, TermScorer):
     """1 for the endpoint with the least prefill ahead of this request's first token (its
     pending prefill plus this request's uncached tokens there), falling linearly to 0 at
     `scale_tokens` more; a tie scores 1 everywhere."""
+
+    term = Term(
+        setup="_u = state.uncached_of(endpoints)\n_c = []",
+        gather="_c.append(e.pending_prefill_tokens + _u[i])",
+        finish="_b = min(_c)",
+        score="max(0.0, 1.0 - (_c[i] - _b) / me.scale_tokens)",
+    )
 
     name: str
     scale_tokens: int  # a backlog this much larger than the best scores 0
@@ -32,15 +36,9 @@ class PrefillBacklogScorer(PrefixReader):
         if self.scale_tokens <= 0:
             raise ValueError(f"{self.name}: scaleTokens must be positive, got {self.scale_tokens}")
 
-    def score(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> list[float]:
-        uncached = req.state.uncached_of(endpoints)
-        cost = [e.pending_prefill_tokens + u for e, u in zip(endpoints, uncached, strict=True)]
-        best = min(cost, default=0)
-        return [max(0.0, 1.0 - (c - best) / self.scale_tokens) for c in cost]
-
 
 @dataclass(slots=True)
-class PlacementCostScorer(PrefixReader):
+class PlacementCostScorer(PrefixReader, TermScorer):
     """What placing this request on an endpoint costs the fleet, in tokens of prefill: the
     endpoint's pending prefill (which this request waits behind) plus this request's uncached
     tokens there, which it waits for and which stall every request in flight there for as long
@@ -51,7 +49,23 @@ class PlacementCostScorer(PrefixReader):
 
     Scored (best + n) / (cost + n) for an n-token prompt: 1 for the cheapest endpoint, and a
     difference counts in proportion to the prompt's own size, so a few blocks more or less
-    decide nothing while a long context recomputed beside a busy batch decides much."""
+    decide nothing while a long context recomputed beside a busy batch decides much. The
+    batch an endpoint's stall holds up is its requests in flight (scorers.IN_FLIGHT)."""
+
+    term = Term(
+        setup="""_u = state.uncached_of(endpoints)
+_p = len(req.token_ids)
+_dw = me.decode_weight
+_ww = me.waiting_weight
+_c = []""",
+        gather="""_f = e.in_flight
+_w = e.waiting
+_g = e.running + _w
+_x = _f if _f > _g else _g
+_c.append(e.pending_prefill_tokens + _u[i] * (1.0 + _dw * _x) + _ww * _w * _p)""",
+        finish="_n = _p or 1\n_b = min(_c) + _n",
+        score="_b / (_c[i] + _n)",
+    )
 
     name: str
     decode_weight: float = 1.0
@@ -64,29 +78,3 @@ class PlacementCostScorer(PrefixReader):
         ):
             if value < 0:
                 raise ValueError(f"{self.name}: {key} must be >= 0, got {value}")
-
-    def score(self, req: SchedulingRequest, endpoints: list[Endpoint]) -> list[float]:
-        """Each endpoint's cost (tokens of prefill), then (best + n) / (cost + n). The batch an
-        endpoint's stall holds up is scorers.requests_in_flight, inline: one loop over the
-        endpoints for the costs, the router's hottest scorer."""
-        prompt = len(req.token_ids)
-        decode_weight, waiting_weight = self.decode_weight, self.waiting_weight
-        cost = []
-        for e, uncached in zip(endpoints, req.state.uncached_of(endpoints), strict=True):
-            f, waiting = e.in_flight, e.waiting
-            g = e.running + waiting
-            cost.append(
-                e.pending_prefill_tokens
-                + uncached * (1.0 + decode_weight * (f if f > g else g))
-                + waiting_weight * waiting * prompt
-            )
-        n = prompt or 1
-        best = cost[0] if cost else 0.0
-        for c in cost:
-            if c < best:
-                best = c
-        best += n
-        out = []
-        for c in cost:
-            out.append(best / (c + n))
-        return out
