@@ -265,12 +265,30 @@ def test_approximate_lru_per_endpoint():
     assert idx.num_entries() == 4
 
 
-def test_approximate_matches_naive_model():
+def holding_invariants(idx: ApproximateIndex) -> dict[str, set[int]]:
+    """Each endpoint's held blocks, after checking the invariants of what it holds."""
+    out = {}
+    for ep, held in idx._held.items():
+        kids: dict[int, int] = {}
+        for parent in held.parent.values():
+            if parent is not None:
+                assert parent in held.parent  # a block's prefix is held: prefix-closed
+                kids[parent] = kids.get(parent, 0) + 1
+        assert held.kids == kids
+        assert set(held.touched) <= set(held.parent)  # touch points are held blocks
+        assert set(held.parent) - set(kids) <= set(held.touched)  # every leaf is one
+        assert len(held.parent) <= idx.capacity_per_endpoint
+        out[ep] = set(held.parent)
+    return out
+
+
+@pytest.mark.parametrize(("seed", "cap"), [(3, 12), (5, 4), (7, 30), (11, 1)])
+def test_approximate_matches_naive_model(seed, cap):
     """Random prompts over a small tree of shared prefixes, keyed as chains (a key names its
     whole prefix, as block hashes do), against a model of per-endpoint LRUs touched last block
-    first: the binary searches agree with a walk over every block."""
-    rng = random.Random(3)
-    cap = 12
+    first: the binary searches agree with a walk over every block, and each endpoint holds
+    exactly the model's blocks (its touch points evict as a block LRU does)."""
+    rng = random.Random(seed)
     idx = ApproximateIndex(capacity_per_endpoint=cap)
     model: dict[str, list[int]] = {}  # endpoint -> keys, most recent last
     endpoints = ["a", "b", "c", "d"]
@@ -307,3 +325,5 @@ def test_approximate_matches_naive_model():
             e: v for e, v in expect.items() if e in ("a", "c")
         }
         assert idx.num_entries() == sum(len(v) for v in model.values())
+        held = holding_invariants(idx)
+        assert {e: b for e, b in held.items() if b} == {e: set(v) for e, v in model.items() if v}

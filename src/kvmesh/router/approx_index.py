@@ -3,12 +3,21 @@ router itself sent each prompt's blocks (GIE's approx-prefix-cache), for the blo
 events have not come yet. Answers as router.index.PreciseIndex does: consecutive leading blocks
 per endpoint. Not thread-safe: one event loop calls it.
 
-Unlike GIE's, a record touches a prompt's blocks last to first, so an endpoint's LRU drops a
-prompt's blocks from its end (a block is worth nothing without the blocks before it, as vLLM
-frees a request's blocks tail first). Block keys are chained (a key names its whole prefix),
-so every record of a block also records the blocks before it, later: what an endpoint holds of
-any prompt is a prefix of it. A lookup then finds where each endpoint's prefix ends by binary
-search, a few probes per endpoint instead of one per block of a long context.
+Unlike GIE's, an endpoint's LRU drops a prompt's blocks from its end (a block is worth nothing
+without the blocks before it, as vLLM frees a request's blocks tail first): as if a record
+touched a prompt's blocks last to first. Block keys are chained (a key names its whole prefix),
+so what an endpoint holds is a tree of prefixes, and of any prompt a prefix. A lookup finds
+where each endpoint's prefix ends by binary search, a few probes per endpoint instead of one
+per block of a long context.
+
+Nor does a record touch every block: an endpoint keeps, oldest first, the last blocks of the
+prompts recorded for it (touch points). A block's recency is that of the newest touch point at
+or below it in the tree, so eviction takes the oldest touch point that is a leaf, and its parent,
+once a leaf, is the oldest block left: it goes first in line (a touch point of its own keeps its
+place). A touch point that is not a leaf is passed over: its subtree's are newer. So an agent's
+next turn costs a binary search and its new blocks, not a touch of its whole context, and the
+LRU drops exactly the blocks, in exactly the order, that an LRU of blocks touched last to first
+would (a test holds them equal).
 """
 
 from __future__ import annotations
@@ -17,6 +26,20 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from kvmesh.router.index import MAX_PENDING, endpoint_set
+
+
+class _Holding:
+    """What one endpoint holds. Invariants: ``parent`` has every block it holds (key -> the
+    key before it in its prompt, None for a first block), ``kids[k]`` counts the held blocks
+    whose parent is k (absent: none), every held block without kids is in ``touched``, and
+    ``touched`` holds only held blocks."""
+
+    __slots__ = ("parent", "kids", "touched")
+
+    def __init__(self) -> None:
+        self.parent: dict[int, int | None] = {}
+        self.kids: dict[int, int] = {}
+        self.touched: OrderedDict[int, None] = OrderedDict()  # touch points, oldest first
 
 
 class ApproximateIndex:
@@ -31,7 +54,7 @@ class ApproximateIndex:
         # _canon[s] = [s, number of keys pointing at s].
         self._pods: dict[int, frozenset[str]] = {}
         self._canon: dict[frozenset[str], list] = {}
-        self._lru: dict[str, OrderedDict[int, None]] = {}  # per endpoint, oldest first
+        self._held: dict[str, _Holding] = {}
         self._entries = 0  # sum of len(lru) == sum of len(pods[k])
         # records not yet applied: every read and change applies them first (settle), so no
         # caller can tell; the router settles once the request that made one is on its way
@@ -50,16 +73,42 @@ class ApproximateIndex:
             self._record(endpoint, keys)
 
     def _record(self, endpoint: str, block_keys: Sequence[int]) -> None:
-        lru = self._lru.get(endpoint)
-        if lru is None:
-            lru = self._lru[endpoint] = OrderedDict()
-        pods = self._pods
+        n = len(block_keys)
+        if not n:
+            return
+        held = self._held.get(endpoint)
+        if held is None:
+            held = self._held[endpoint] = _Holding()
+        parent_of = held.parent
+        lo, hi = 0, n  # the blocks the endpoint holds: a prefix, found by binary search
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if block_keys[mid - 1] in parent_of:
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo < n:
+            self._add(endpoint, held, block_keys, lo)
+        touched, last = held.touched, block_keys[-1]
+        if last in touched:
+            touched.move_to_end(last)
+        else:
+            touched[last] = None
+        while len(parent_of) > self.capacity_per_endpoint:
+            self._evict(endpoint, held)
+
+    def _add(self, endpoint: str, held: _Holding, block_keys: Sequence[int], start: int) -> None:
+        """The blocks of ``block_keys`` from ``start`` on, each the child of the one before."""
+        pods, parent_of, kids = self._pods, held.parent, held.kids
         memo: dict[frozenset[str] | None, frozenset[str]] = {}
-        for key in reversed(block_keys):  # the first block touched last: evicted last
-            if key in lru:
-                lru.move_to_end(key)
+        parent = block_keys[start - 1] if start else None
+        for key in block_keys[start:]:
+            if key in parent_of:  # (keys that are not chains: held already, elsewhere)
+                parent = key
                 continue
-            lru[key] = None
+            parent_of[key] = parent
+            if parent is not None:
+                kids[parent] = kids.get(parent, 0) + 1
             self._entries += 1
             old = pods.get(key)
             new = memo.get(old)
@@ -69,14 +118,31 @@ class ApproximateIndex:
             if old is not None:
                 self._release(old)
             pods[key] = new
-        while len(lru) > self.capacity_per_endpoint:
-            key, _ = lru.popitem(last=False)
-            self._drop(endpoint, key)
+            parent = key
+
+    def _evict(self, endpoint: str, held: _Holding) -> None:
+        """Drop the endpoint's least recently touched block: a leaf (see the module's note)."""
+        touched, kids = held.touched, held.kids
+        key, _ = touched.popitem(last=False)
+        while key in kids:  # not a leaf: its subtree's touch points are newer
+            key, _ = touched.popitem(last=False)
+        parent = held.parent.pop(key)
+        self._drop(endpoint, key)
+        if parent is not None:
+            left = kids[parent] - 1
+            if left:
+                kids[parent] = left
+            else:  # a leaf now, as old as the block just dropped: first in line
+                del kids[parent]
+                if parent not in touched:
+                    touched[parent] = None
+                    touched.move_to_end(parent, last=False)
 
     def remove_endpoint(self, endpoint: str) -> None:
         if self._pending:
             self.settle()
-        for key in self._lru.pop(endpoint, ()):
+        held = self._held.pop(endpoint, None)
+        for key in held.parent if held is not None else ():
             self._drop(endpoint, key)
 
     def _drop(self, endpoint: str, key: int) -> None:
