@@ -427,3 +427,20 @@ def test_the_whole_prompt_cache_keeps_at_most_its_token_budget(tok):
         held = [len(ids) for ids, _ in pt._whole.values()]
         assert sum(held) == pt._whole_held <= 40
     assert pt.cache_info()["whole_prompts"] == 2  # about 15 tokens each: the newest two
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.text(alphabet="ab é\n", max_size=40),
+    st.text(alphabet="ab é\n", max_size=40),
+    st.integers(0, 40),
+)
+def test_the_common_length_of_a_text_and_a_run_tail_is_where_they_first_differ(text, tail, start):
+    """text_runs._common (XOR of the bytes for ASCII, else a binary search) against a walk."""
+    from kvmesh.router.text_runs import _common
+
+    start = min(start, len(text))
+    n = 0
+    while n < len(tail) and start + n < len(text) and text[start + n] == tail[n]:
+        n += 1
+    assert _common(text, start, tail) == n

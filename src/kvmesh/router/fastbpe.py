@@ -119,7 +119,10 @@ class FastBPE:
         words, word, split = self.words, self._word, self._findall
         if self.specials is None or not any(c in text for c in self.openers):
             pieces = split(text)
-            return pieces, [words.get(w) or word(w) for w in pieces]
+            ids = list(map(words.get, pieces))  # (C-level: most pieces are cached words)
+            if None in ids:
+                ids = [i if i is not None else word(w) for i, w in zip(ids, pieces, strict=True)]
+            return pieces, ids
         pieces, ids = [], []
         for k, part in enumerate(self.specials.split(text)):
             if k % 2:

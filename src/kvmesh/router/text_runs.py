@@ -30,9 +30,17 @@ def utf8(s: str) -> bytes:
 
 
 def _common(text: str, start: int, tail: str) -> int:
-    """How many leading characters of ``tail`` ``text`` repeats from ``start`` (a binary
-    search of C-level compares: a tail is shorter than a fine chunk)."""
-    lo, hi = 0, min(len(tail), len(text) - start)
+    """How many leading characters of ``tail`` ``text`` repeats from ``start``: for ASCII, the
+    first byte that differs is the highest of the two texts' XOR read as big-endian integers;
+    else a binary search of C-level compares (a tail is shorter than a fine chunk)."""
+    n = min(len(tail), len(text) - start)
+    a, b = text[start : start + n], tail[:n]
+    if a == b:
+        return n
+    if a.isascii() and b.isascii():
+        x = int.from_bytes(a.encode(), "big") ^ int.from_bytes(b.encode(), "big")
+        return n - (x.bit_length() + 7) // 8
+    lo, hi = 0, n
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if text.startswith(tail[:mid], start):
@@ -171,9 +179,7 @@ class RunStore:
             del self.runs[superseded]
             self.tokens -= len(superseded.ids)
         run.digests = digests
-        ckpt = self.ckpt
-        for d in digests:
-            ckpt[d] = run
+        self.ckpt.update(dict.fromkeys(digests, run))
         self.runs[run] = None
         self.tokens += len(run.ids)
         while len(self.runs) > 1 and (
