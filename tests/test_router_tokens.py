@@ -444,3 +444,22 @@ def test_the_common_length_of_a_text_and_a_run_tail_is_where_they_first_differ(t
     while n < len(tail) and start + n < len(text) and text[start + n] == tail[n]:
         n += 1
     assert _common(text, start, tail) == n
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(0, 2**32 - 1), max_size=30),
+    st.lists(st.integers(0, 2**32 - 1), max_size=30),
+    st.integers(0, 30),
+)
+def test_two_id_arrays_first_differ_where_a_walk_says(a, b, shared):
+    """text_runs.first_difference (XOR of the arrays' bytes) against a walk."""
+    from array import array
+
+    from kvmesh.router.text_runs import first_difference
+
+    b = a[:shared] + b  # often a long common run
+    n = 0
+    while n < len(a) and n < len(b) and a[n] == b[n]:
+        n += 1
+    assert first_difference(array("I", a), array("I", b)) == n

@@ -120,8 +120,13 @@ class FastBPE:
         if self.specials is None or not any(c in text for c in self.openers):
             pieces = split(text)
             ids = list(map(words.get, pieces))  # (C-level: most pieces are cached words)
-            if None in ids:
-                ids = [i if i is not None else word(w) for i, w in zip(ids, pieces, strict=True)]
+            k = 0
+            while True:  # the words not cached yet
+                try:
+                    k = ids.index(None, k)
+                except ValueError:
+                    break
+                ids[k] = word(pieces[k])
             return pieces, ids
         pieces, ids = [], []
         for k, part in enumerate(self.specials.split(text)):

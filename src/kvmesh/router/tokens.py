@@ -32,7 +32,7 @@ from kvmesh.protocol.hashing import DEFAULT_BLOCK_SIZE, block_hash_to_int
 from kvmesh.protocol.tokenizer import fast_backend, offsets_work, special_affixes
 from kvmesh.router.block_keys import BlockKeyCache, BlockKeyStats
 from kvmesh.router.fastbpe import FastBPE
-from kvmesh.router.text_runs import Run, RunStore
+from kvmesh.router.text_runs import Run, RunStore, first_difference
 
 
 @dataclass
@@ -293,11 +293,7 @@ class PromptTokenizer:
             return None
         ids = run.ids[:n0]
         ids.extend(tail)
-        same, old = n1, run.ids[n1 : n0 + len(tail)].tolist()
-        for a, b in zip(old, tail[n1 - n0 :], strict=False):
-            if a != b:
-                break
-            same += 1
+        same = n1 + first_difference(run.ids[n1 : n0 + len(tail)], array("I", tail[n1 - n0 :]))
         chars, tokens = cc[:j], ct[:j]  # copies: the run keeps its own
         chars.extend(tail_chars)
         tokens.extend(tail_tokens)
