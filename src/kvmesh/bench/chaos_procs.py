@@ -23,7 +23,7 @@ import aiohttp
 from kvmesh.bench.chaos_metrics import Sample, parse_router_metrics
 from kvmesh.bench.chaos_report import Result
 from kvmesh.bench.fleet_engines import ADMIN_KEY, admin_headers
-from kvmesh.bench.router_procs import Proc, Target, router_command
+from kvmesh.bench.router_procs import Proc, Target, router_command, stop_all
 
 POLL_S = 0.05  # the router's /metrics, and /health while waiting for a start
 
@@ -94,9 +94,7 @@ class Fleet:
             proc.popen.wait()
 
     def stop(self) -> None:
-        for p in [self.router, *self.engines]:
-            if p is not None:
-                p.stop()
+        stop_all(p for p in [self.router, *self.engines] if p is not None)
 
 
 @dataclass

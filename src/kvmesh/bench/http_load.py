@@ -359,4 +359,11 @@ def engine_processes(*engines: EngineProcess) -> Iterator[list[str]]:
         for e in engines:
             stack.callback(e.__exit__)
             e.start()
+        stack.callback(_terminate, engines)  # first on exit: they all shut down at once
         yield [e.wait_healthy() for e in engines]
+
+
+def _terminate(engines: tuple[EngineProcess, ...]) -> None:
+    for e in engines:
+        if e.proc is not None and e.proc.poll() is None:
+            e.proc.terminate()

@@ -27,7 +27,7 @@ from pathlib import Path
 from rich.table import Table
 
 from kvmesh.bench.fleet_engines import kvmesh_engines, reset_caches
-from kvmesh.bench.router_procs import Proc, Target, start_healthy, start_router
+from kvmesh.bench.router_procs import Proc, Target, start_healthy, start_router, stop_all
 from kvmesh.protocol.prom import parse_samples
 
 MAX_REPLICAS = 16
@@ -125,8 +125,7 @@ def start_replicas(urls: list[str], n: int, out: Path) -> tuple[list[Proc], list
         except RuntimeError as exc:
             errors.append(str(exc))
     if errors:
-        for proc, _ in started:
-            proc.stop()
+        stop_all(proc for proc, _ in started)
         raise RuntimeError(errors[0])
     return [p for p, _ in started], [u for _, u in started]
 
@@ -174,8 +173,7 @@ def run_replicas(
             front, front_url = start_front(front_kind, replicas, out)
             procs.append(front)
         except RuntimeError as exc:
-            for p in procs:
-                p.stop()
+            stop_all(procs)
             notes.append(f"{name}: did not start ({str(exc)[:200]})")
             continue
         try:
@@ -189,8 +187,7 @@ def run_replicas(
         except Exception as exc:  # a failing row must not lose the others
             notes.append(f"{name}: failed ({type(exc).__name__}: {str(exc)[:200]})")
         finally:
-            for p in reversed(procs):
-                p.stop()
+            stop_all(reversed(procs))
     return rows, notes
 
 

@@ -28,6 +28,7 @@ from kvmesh.bench.router_procs import (
     served_model,
     start_engines,
     start_router,
+    stop_all,
 )
 from kvmesh.bench.router_report import plot, print_tables, targets_summary
 from kvmesh.bench.router_rounds import measure_rate, median_rows
@@ -136,8 +137,7 @@ def _interleaved(targets, urls, model, bins, prefix, args, engines, fleet) -> di
             except (RuntimeError, OSError) as exc:
                 fleet["failed"].append({"router": "interleaved round", "error": repr(exc)[-600:]})
     finally:
-        for proc, _ in running.values():
-            proc.stop()
+        stop_all(proc for proc, _ in running.values())
     return rounds
 
 

@@ -15,7 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,6 +130,17 @@ class Proc:
                 self.popen.wait()
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.popen.pid, signal.SIGKILL)  # leftovers of the group, if any
+
+
+def stop_all(procs: Iterable[Proc]) -> None:
+    """Stop every one of ``procs``: all are signalled first, so they shut down at once."""
+    procs = list(procs)
+    for p in procs:
+        if p.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.popen.pid, signal.SIGTERM)
+    for p in procs:
+        p.stop()
 
 
 def start_engines(n: int, prefix: list[str], out: Path) -> tuple[Proc, list[str]]:
