@@ -5,7 +5,9 @@ Over the few endpoints of most fleets, a scorer's cost in Python is its call, it
 list, not its arithmetic: nine scorers, each a method that loops over the endpoints and returns
 a list, then a pass adding the weighted lists, cost several times what the additions do. A
 profile's function has one loop that gathers what its scorers read of each endpoint and one
-that scores and totals them, with each scorer's score of each endpoint kept (ProfileResult).
+that scores and totals them; it keeps each scorer's scores only when asked to explain
+(ProfileResult.scores: debug logs, tests). The source comes from the scorer classes alone: a
+config's names, weights and parameters reach the function as values, never as source.
 
 A term is the one definition of a scorer: ``TermScorer.score`` runs the same source alone, so a
 scorer scores alike in and out of a profile, and a profile's totals are exactly the weighted
@@ -139,7 +141,7 @@ def profile_source(terms: Sequence[Term], explain: bool) -> str:
 
 
 def compile_profile(scorers: Sequence[tuple[Any, float]], explain: bool = False) -> ProfileTotals:
-    """The one function of a profile's (scorer, weight) pairs, in order (weights finite)."""
+    """The one function of a profile's (scorer, weight) pairs, in order."""
     terms = tuple(getattr(s, "term", None) or CALL_SCORE for s, _ in scorers)
     make = _MAKERS.get((terms, explain))
     if make is None:
