@@ -9,6 +9,8 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 ARGS   ?=
 PYTEST_ARGS ?=
+# the default suite's workers: each takes whole test files (their module fixtures load once)
+TEST_WORKERS ?= 2
 
 .PHONY: serve test test-slow test-vllm lint bench-engine install
 
@@ -25,7 +27,7 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # interop with real vLLM: vLLM's CPU build in its own environment (Python 3.11, ~3.5 GB)
 VLLM_PYTHON ?= python3.11
