@@ -289,3 +289,38 @@ def test_any_input_gets_a_4xx_or_the_handlers_answer(door, raw: bytes) -> None:
             assert b"\r\n" + name.encode("latin-1") + b":" in sent  # a CRLF-started line
         assert not any(c in req.target for c in "\r\n\x00 ")
     assert_responsive(port)
+
+
+def reference_headers(pairs: list[tuple[bytes, bytes]]) -> dict[str, str] | str:
+    """A header at a time: lower-case names, trailing blanks off, repeats joined, a second
+    Content-Length or Host an error."""
+    out: dict[str, str] = {}
+    for name, value in pairs:
+        key, text = name.decode("latin-1").lower(), value.decode("latin-1").rstrip(" \t")
+        if key in out and key in ("content-length", "host"):
+            return f"More than one {key} header."
+        out[key] = f"{out[key]}, {text}" if key in out else text
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([b"X-A", b"x-a", b"Host", b"Accept", b"X-\xe9", b"Content-Length"]),
+            st.binary(max_size=6).map(lambda b: b.replace(b"\r", b"").replace(b"\n", b"")),
+        ),
+        max_size=8,
+    )
+)
+def test_a_head_decodes_as_one_header_at_a_time_would(pairs) -> None:
+    """request_reader._decoded (two joined strings) against a loop over the headers."""
+    from kvmesh.router.request_reader import _decoded, _Reject
+
+    raw = [part for pair in pairs for part in pair]
+    want = reference_headers(pairs)
+    try:
+        got = _decoded(raw, len(pairs))
+    except _Reject as exc:
+        got = exc.message
+    assert got == want

@@ -15,6 +15,7 @@ from kvmesh.router.proxy import MAX_HEAD
 
 logger = logging.getLogger(__name__)
 MAX_HEADERS = 100  # header (and trailer) lines per request
+_MAX_RAW = 2 * MAX_HEADERS  # names and values
 _UNIQUE = frozenset(("content-length", "host"))  # a second one is a smuggling attempt
 
 
@@ -52,6 +53,7 @@ class RequestReader:
         self._in_message = self._in_head = self._expect = False
         self._url = b""
         self._headers: dict[str, str] = {}
+        self._raw: list[bytes] = []  # the head's header names and values, in turn, as read
         self._body: list[bytes] = []
         self._body_size = self._head_size = self._head_reads = self._lines = 0
 
@@ -80,7 +82,7 @@ class RequestReader:
     def on_message_begin(self) -> None:
         self._in_message = self._in_head = True
         self._expect = False
-        self._url, self._headers, self._body = b"", {}, []
+        self._url, self._headers, self._body, self._raw = b"", {}, [], []
         self._body_size = self._head_size = self._head_reads = self._lines = 0
 
     def on_url(self, url: bytes) -> None:
@@ -90,26 +92,26 @@ class RequestReader:
             raise _Reject(431, "Request target too long.")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        size = self._head_size = self._head_size + len(name) + len(value) + 4
-        lines = self._lines = self._lines + 1
-        if size > MAX_HEAD or lines > MAX_HEADERS:
+        if not self._in_head:  # a chunked body's trailer: never a request header
+            size = self._head_size = self._head_size + len(name) + len(value) + 4
+            lines = self._lines = self._lines + 1
+            if size > MAX_HEAD or lines > MAX_HEADERS:
+                raise _Reject(431, "Request header fields too large.")
+            return
+        raw = self._raw  # names and values, in turn: decoded together once the head ends
+        raw += (name, value)
+        if len(raw) > _MAX_RAW:
             raise _Reject(431, "Request header fields too large.")
-        if not self._in_head:
-            return  # a chunked body's trailer: never a request header
-        key = name.decode("latin-1").lower()
-        text = value.decode("latin-1").rstrip(" \t")  # llhttp skipped the leading blanks
-        headers = self._headers
-        known = headers.get(key)
-        if known is None:
-            headers[key] = text
-        elif key in _UNIQUE:
-            raise _Reject(400, f"More than one {key} header.")
-        else:
-            headers[key] = f"{known}, {text}"
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        parser, headers = self.parser, self._headers
+        raw, self._raw = self._raw, []
+        n = self._lines = len(raw) // 2
+        size = self._head_size = self._head_size + sum(map(len, raw)) + 4 * n
+        if size > MAX_HEAD:
+            raise _Reject(431, "Request header fields too large.")
+        headers = self._headers = _decoded(raw, n)
+        parser = self.parser
         if parser.should_upgrade():
             raise _Reject(400, "Protocol upgrades and CONNECT are not supported.")
         if parser.get_http_version() not in ("1.1", "1.0"):
@@ -154,3 +156,33 @@ class RequestReader:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+
+
+def _decoded(raw: list[bytes], n: int) -> dict[str, str]:
+    """The ``n`` headers of ``raw`` (names and values in turn, as llhttp read them): names in
+    lower case, values without the trailing blanks llhttp keeps (it skips the leading ones),
+    a repeated header's values joined with ", ", a second Content-Length or Host refused.
+    Decoded as two joined strings (a NUL is in no name, and a value with one is decoded alone):
+    a head's headers cost a few C calls, not a Python loop each."""
+    if not n:
+        return {}
+    names = b"\0".join(raw[0::2]).decode("latin-1").lower().split("\0")
+    joined = b"\0".join(raw[1::2]).decode("latin-1")
+    values = joined.split("\0")
+    if len(values) != n:  # (a NUL inside a value)
+        values = [v.decode("latin-1") for v in raw[1::2]]
+    if " \0" in joined or "\t\0" in joined or joined.endswith((" ", "\t")):
+        values = [v.rstrip(" \t") for v in values]
+    headers = dict(zip(names, values, strict=True))
+    if len(headers) == n:
+        return headers
+    headers = {}
+    for key, text in zip(names, values, strict=True):
+        known = headers.get(key)
+        if known is None:
+            headers[key] = text
+        elif key in _UNIQUE:
+            raise _Reject(400, f"More than one {key} header.")
+        else:
+            headers[key] = f"{known}, {text}"
+    return headers
