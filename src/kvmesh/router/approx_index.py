@@ -55,7 +55,7 @@ class ApproximateIndex:
         self._pods: dict[int, frozenset[str]] = {}
         self._canon: dict[frozenset[str], list] = {}
         self._held: dict[str, _Holding] = {}
-        self._entries = 0  # sum of len(lru) == sum of len(pods[k])
+        self._entries = 0  # blocks held, summed over endpoints == sum of len(pods[k])
         # records not yet applied: every read and change applies them first (settle), so no
         # caller can tell; the router settles once the request that made one is on its way
         self._pending: list[tuple[str, Sequence[int]]] = []
