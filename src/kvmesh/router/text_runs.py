@@ -29,27 +29,6 @@ def utf8(s: str) -> bytes:
     return s.encode("utf-8", "surrogatepass")
 
 
-def _common(text: str, start: int, tail: str) -> int:
-    """How many leading characters of ``tail`` ``text`` repeats from ``start``: for ASCII, the
-    first byte that differs is the highest of the two texts' XOR read as big-endian integers;
-    else a binary search of C-level compares (a tail is shorter than a fine chunk)."""
-    n = min(len(tail), len(text) - start)
-    a, b = text[start : start + n], tail[:n]
-    if a == b:
-        return n
-    if a.isascii() and b.isascii():
-        x = int.from_bytes(a.encode(), "big") ^ int.from_bytes(b.encode(), "big")
-        return n - (x.bit_length() + 7) // 8
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if text.startswith(tail[:mid], start):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
 def first_difference(a: array, b: array) -> int:
     """The index of the first item where arrays ``a`` and ``b`` (one type) differ, or the
     shorter's length: the lowest byte of their XOR read as little-endian integers is in that
@@ -59,6 +38,26 @@ def first_difference(a: array, b: array) -> int:
         return n
     x = int.from_bytes(a[:n].tobytes(), "little") ^ int.from_bytes(b[:n].tobytes(), "little")
     return ((x & -x).bit_length() - 1) // 8 // a.itemsize  # its lowest set bit's byte, item
+
+
+def _common(text: str, start: int, tail: str) -> int:
+    """How many leading characters of ``tail`` ``text`` repeats from ``start``: for ASCII (a
+    byte per character) the first_difference of their bytes; else a binary search of C-level
+    compares (a tail is shorter than a fine chunk)."""
+    n = min(len(tail), len(text) - start)
+    a, b = text[start : start + n], tail[:n]
+    if a == b:
+        return n
+    if a.isascii() and b.isascii():
+        return first_difference(array("B", a.encode()), array("B", b.encode()))
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if text.startswith(tail[:mid], start):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class Run:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvmesh.router.plugins.base import PrefixReader
+from kvmesh.router.plugins.scorers import IN_FLIGHT
 from kvmesh.router.plugins.terms import Term, TermScorer
 
 
@@ -50,7 +51,7 @@ class PlacementCostScorer(PrefixReader, TermScorer):
     Scored (best + n) / (cost + n) for an n-token prompt: 1 for the cheapest endpoint, and a
     difference counts in proportion to the prompt's own size, so a few blocks more or less
     decide nothing while a long context recomputed beside a busy batch decides much. The
-    batch an endpoint's stall holds up is its requests in flight (scorers.IN_FLIGHT)."""
+    batch an endpoint's stall holds up is its requests in flight (scorers.IN_FLIGHT, in _x)."""
 
     term = Term(
         setup="""_u = state.uncached_of(endpoints)
@@ -58,11 +59,8 @@ _p = len(req.token_ids)
 _dw = me.decode_weight
 _ww = me.waiting_weight
 _c = []""",
-        gather="""_f = e.in_flight
-_w = e.waiting
-_g = e.running + _w
-_x = _f if _f > _g else _g
-_c.append(e.pending_prefill_tokens + _u[i] * (1.0 + _dw * _x) + _ww * _w * _p)""",
+        gather=f"""{IN_FLIGHT}
+_c.append(e.pending_prefill_tokens + _u[i] * (1.0 + _dw * _x) + _ww * e.waiting * _p)""",
         finish="_n = _p or 1\n_b = min(_c) + _n",
         score="_b / (_c[i] + _n)",
     )
