@@ -130,7 +130,9 @@ def test_load_spreads_when_an_engine_saturates(tokenizer):
             counts: dict[str, int] = {}
             for ep in pool.map(one, range(48)):
                 counts[ep] = counts.get(ep, 0) + 1
-        assert len(counts) == 3, counts  # the shared prefix does not pin everything to one engine
+        # The shared prefix does not pin everything to one engine. Whether the third engine gets
+        # work too depends on how many clients a loaded host keeps in flight at once.
+        assert len(counts) >= 2, counts
 
 
 def test_prefill_backlog_counts_uncached_tokens_until_the_first_byte(tokenizer):
