@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 import socket
 import subprocess
 import sys
@@ -21,6 +22,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_ports(n: int) -> int:
+    """The first of ``n`` consecutive free ports, below Linux's ephemeral range (32768 up), where
+    no client connection of another test takes one between this pick and the bind."""
+    rng = random.Random()
+    while True:
+        base = rng.randrange(20000, 32000 - n)
+        with contextlib.ExitStack() as stack:
+            try:
+                for p in range(base, base + n):
+                    s = stack.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", p))
+            except OSError:
+                continue
+        return base
 
 
 def bound_port(server) -> int:

@@ -20,7 +20,7 @@ from kvmesh.protocol.kv_transfer import PREFILL_REQUEST_PARAMS
 from kvmesh.protocol.openai import APIError
 from kvmesh.router.app import Router, RouterConfig, start_router
 from tests.conftest import emulated_fleet
-from tests.helpers import bound_port, free_port, http, loop_thread
+from tests.helpers import bound_port, free_port, free_ports, http, loop_thread
 
 KEY, ADMIN, TRANSFER = "engine-key", "admin-key", "transfer-key"
 COMPLETION = {"prompt": "Hello there.", "max_tokens": 2}
@@ -290,7 +290,7 @@ def test_keyed_peer_pull_and_pd_through_the_router(tokenizer):
 
     from tests.test_router_pd import PD_CONFIG
 
-    base, port = free_port(), free_port()
+    base, port = free_ports(2), free_port()
     engine = EngineConfig(
         num_gpu_blocks=2048,
         api_key=KEY,

@@ -9,7 +9,7 @@ import threading
 import time
 
 from kvmesh.router.event_sources import subscribe_address
-from tests.helpers import free_port, http
+from tests.helpers import free_port, free_ports, http
 
 
 def test_subscribe_address_connects_to_binding_publishers() -> None:
@@ -25,7 +25,7 @@ def test_router_indexes_events_published_on_tcp_wildcards(tokenizer) -> None:
     from kvmesh.engine.emulation.host import EmulatedFleet
     from kvmesh.router.app import Router, RouterConfig, start_router
 
-    base = free_port()
+    base = free_ports(2)
     events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{base}"}
     config = EngineConfig(kv_events_config=json.dumps(events), num_gpu_blocks=512)
     emu = EmulationConfig(emulate_ttft_ms=5.0, emulate_itl_ms=1.0)
