@@ -113,3 +113,23 @@ def test_a_built_checkout_loads_its_request_path_compiled():
     for name in s.compiled:
         assert importlib.import_module(name).__file__.endswith(SUFFIXES), name
     assert native.summary().startswith("request path: compiled")
+
+
+def test_a_built_checkout_runs_the_presets_profiles_compiled():
+    """`kvmesh native build` compiles the built-in presets' joined profiles; a pipeline built
+    from a preset then runs the compiled function of exactly its profile's source."""
+    from types import SimpleNamespace
+
+    from kvmesh.router.pipeline import Pipeline
+
+    if "kvmesh.router.plugins.joined_profiles" not in native.status().compiled:
+        pytest.skip("the joined profiles are not compiled here")
+    from kvmesh.router.plugins import joined_profiles
+
+    assert joined_profiles.__file__.endswith(SUFFIXES)
+    ctx = SimpleNamespace(precise_index=None, approximate_index=None)
+    for preset in ("kvmesh", "precise-prefix", "pd"):
+        for profile in Pipeline.preset(preset, ctx).profiles.values():
+            if profile.scorers:
+                for run in (profile.totals, profile.explained):
+                    assert run.__module__ == "kvmesh.router.plugins.joined_profiles", preset

@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvmesh.native import DIRECTIVES, LEFT_OUT, MANIFEST, digest, sources, status, summary
+from kvmesh.native import DIRECTIVES, LEFT_OUT, MANIFEST, ROOT, digest, sources, status, summary
 
 NATIVE_HELP = "Compile the router's request path with Cython (make install runs `build`)."
 
@@ -83,6 +83,27 @@ def build(modules: dict[str, Path], manifest: Path, jobs: int, work: Path) -> fl
     return time.monotonic() - t0
 
 
+def write_joined_profiles(path: Path) -> int:
+    """Write the built-in presets' joined profile functions as a module to compile (terms.py
+    finds a compiled one by the digest of its source); returns how many."""
+    from types import SimpleNamespace
+
+    from kvmesh.router.pipeline import PRESETS, Pipeline
+    from kvmesh.router.plugins import terms
+
+    ctx = SimpleNamespace(precise_index=None, approximate_index=None)
+    profiles: dict = {}
+    for name in PRESETS:
+        for profile in Pipeline.preset(name, ctx).profiles.values():
+            kinds = tuple(getattr(s, "term", None) or terms.CALL_SCORE for s, _ in profile.scorers)
+            if kinds:
+                profiles.update({(kinds, False): None, (kinds, True): None})
+    source = terms.joined_module(list(profiles))
+    if not path.exists() or path.read_text() != source:
+        path.write_text(source)
+    return len(profiles)
+
+
 def clean(modules: dict[str, Path], manifest: Path) -> int:
     """Remove the extension modules and the manifest; returns how many modules went."""
     import importlib.machinery
@@ -99,6 +120,9 @@ def clean(modules: dict[str, Path], manifest: Path) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
+    joined = ROOT / "router" / "plugins" / "joined_profiles.py"
+    if args.action == "build":
+        write_joined_profiles(joined)
     modules = sources()
     if args.action == "status":
         print(summary())
@@ -109,6 +133,7 @@ def main(args: argparse.Namespace) -> int:
         return 0
     if args.action == "clean":
         print(f"removed {clean(modules, MANIFEST)} extension modules")
+        joined.unlink(missing_ok=True)
         return 0
     print(f"compiling {len(modules)} modules with Cython on {args.jobs} jobs (a minute or two)")
     try:
