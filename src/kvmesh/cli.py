@@ -159,12 +159,6 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_args(cp)
     cp.set_defaults(func=convert.main)
 
-    from kvmesh.commands import native
-
-    np_ = sub.add_parser("native", help=native.NATIVE_HELP, description=native.__doc__)
-    native.add_args(np_)
-    np_.set_defaults(func=native.main)
-
     from kvmesh.sim import replay
 
     sp = sub.add_parser(

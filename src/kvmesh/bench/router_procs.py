@@ -62,8 +62,6 @@ class Target:
             return f"kvmesh {self.name}"
         if self.kind == "envoy":
             return f"envoy + kvmesh EPP {self.policy}"
-        if self.kind == "kvmesh-py":
-            return f"kvmesh {self.policy} (Python)"
         return (
             f"{self.kind}-router {self.policy}"
             if self.kind != "kvmesh"
@@ -174,9 +172,8 @@ def peer_bin(kind: str, given: str | None) -> str | None:
 
 
 def router_command(t: Target, urls: list[str], port: int, bins: dict[str, str | None]) -> list[str]:
-    if t.kind in ("kvmesh", "kvmesh-py"):  # kvmesh-py: its compiled request path off
-        cmd = ["env", "KVMESH_NATIVE=0"] if t.kind == "kvmesh-py" else []
-        cmd += [sys.executable, "-m", "kvmesh.cli", "--log-level", "WARNING", "router"]
+    if t.kind == "kvmesh":
+        cmd = [sys.executable, "-m", "kvmesh.cli", "--log-level", "WARNING", "router"]
         for u in urls:
             cmd += ["--endpoint", u]
         cmd += ["--host", "127.0.0.1", "--port", str(port), "--preset", t.policy]

@@ -21,7 +21,7 @@ def _cell(d: dict | None, a: str, b: str, fmt: str = "{:+.3f}") -> str:
 
 
 def _peers(fleet: dict) -> list[dict]:
-    return [r for r in fleet["routers"] if r["kind"] not in ("kvmesh", "kvmesh-py", "envoy")]
+    return [r for r in fleet["routers"] if r["kind"] not in ("kvmesh", "envoy")]
 
 
 def _kvmesh(fleet: dict, policy: str = "kvmesh") -> dict | None:
@@ -71,7 +71,7 @@ def print_tables(result: dict) -> None:
     from rich.table import Table
 
     con = Console(width=160)
-    con.print(f"pinning: {result['pinning']}; kvmesh's {result.get('request_path', '?')}")
+    con.print(f"pinning: {result['pinning']}")
     for note in result["skipped"]:
         con.print(f"[yellow]skipped[/] {note}")
     for fleet in result["fleets"]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvmesh import native
 from kvmesh.commands.flags import config_from_args
 
 
@@ -170,7 +169,7 @@ def cmd_router(args: argparse.Namespace) -> int:
             also = f", ext_proc grpc://{args.host}:{bound}"
         print(
             f"kvmesh router ready: http://{args.host}:{port}/v1 ({len(endpoints)} endpoints, "
-            f"{healthy} healthy, preset {config.preset}){also}; {native.summary()}",
+            f"{healthy} healthy, preset {config.preset}){also}",
             flush=True,
         )
         try:
