@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvmesh.router.endpoints import Endpoint
-from kvmesh.router.pipeline import Pipeline
+from kvmesh.router.pipeline import PRESETS, Pipeline
 from kvmesh.router.plugins import REGISTRY, SCORER, SchedulingRequest, SchedulingState
 from kvmesh.router.plugins.terms import Term, TermScorer, compile_profile, profile_source
 
@@ -82,7 +82,35 @@ def test_joined_totals_are_the_weighted_sum_of_each_scorer_alone(
     indexes = Indexes(precise, approx)
     pairs = list(zip(chosen, weights, strict=False))
     pipeline = Pipeline.from_yaml(yaml_of(pairs, thresholds), indexes)
-    profile = pipeline.profiles["p"]
+    assert_totals_are_each_scorer_alone(pipeline.profiles["p"], endpoints, indexes, blocks, session)
+
+
+PROFILED = sorted(n for n, text in PRESETS.items() if "scorer" in text)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    loads=fleet,
+    preset=st.sampled_from(PROFILED),
+    held=st.lists(st.tuples(st.integers(0, 10), st.floats(0.0, 4.0), st.integers(0, 4))),
+    blocks=st.integers(0, 4),
+    session=st.sampled_from([None, "s1"]),
+)
+def test_each_presets_profiles_total_each_scorer_alone(loads, preset, held, blocks, session):
+    """The built-in presets' profiles as configured (their scorers, weights and thresholds,
+    P/D's two profiles) total exactly what each of their scorers scores alone."""
+    endpoints = endpoints_of(loads)
+    names = [e.name for e in endpoints]
+    precise = {f"e{i}": min(p, blocks) for i, p, _ in held if i < len(names) and p}
+    approx = {f"e{i}": min(a, blocks) for i, _, a in held if i < len(names) and a}
+    indexes = Indexes(precise, approx)
+    for profile in Pipeline.preset(preset, indexes).profiles.values():
+        if profile.scorers:
+            assert_totals_are_each_scorer_alone(profile, endpoints, indexes, blocks, session)
+
+
+def assert_totals_are_each_scorer_alone(profile, endpoints, indexes, blocks, session) -> None:
+    names = [e.name for e in endpoints]
     for scorer, _ in profile.scorers:  # some history: bound sessions, cold picks
         if hasattr(scorer, "bindings"):
             scorer.bindings["s1"] = (names[-1], float("inf"))
