@@ -27,9 +27,8 @@ def free_port() -> int:
 def free_ports(n: int) -> int:
     """The first of ``n`` consecutive free ports, below Linux's ephemeral range (32768 up), where
     no client connection of another test takes one between this pick and the bind."""
-    rng = random.Random()
     while True:
-        base = rng.randrange(20000, 32000 - n)
+        base = random.randrange(20000, 32000 - n)
         with contextlib.ExitStack() as stack:
             try:
                 for p in range(base, base + n):

@@ -37,6 +37,14 @@ load = st.tuples(small, small, small, small, st.sampled_from([0.0, 0.5, 0.9, 1.0
 fleet = st.lists(load, min_size=1, max_size=11)
 
 
+def indexes_of(n: int, held, blocks: int) -> Indexes:
+    """Indexes where endpoint e{i} holds (precise, approximate) blocks of the prompt's ``blocks``
+    as ``held`` says (for the first ``n`` endpoints)."""
+    precise = {f"e{i}": min(p, blocks) for i, p, _ in held if i < n and p}
+    approx = {f"e{i}": min(a, blocks) for i, _, a in held if i < n and a}
+    return Indexes(precise, approx)
+
+
 def endpoints_of(loads) -> list[Endpoint]:
     out = []
     for i, (waiting, running, flight, tokens, kv) in enumerate(loads):
@@ -76,10 +84,7 @@ def test_joined_totals_are_the_weighted_sum_of_each_scorer_alone(
     loads, chosen, weights, held, blocks, thresholds, session
 ):
     endpoints = endpoints_of(loads)
-    names = [e.name for e in endpoints]
-    precise = {f"e{i}": min(p, blocks) for i, p, _ in held if i < len(names) and p}
-    approx = {f"e{i}": min(a, blocks) for i, _, a in held if i < len(names) and a}
-    indexes = Indexes(precise, approx)
+    indexes = indexes_of(len(endpoints), held, blocks)
     pairs = list(zip(chosen, weights, strict=False))
     pipeline = Pipeline.from_yaml(yaml_of(pairs, thresholds), indexes)
     assert_totals_are_each_scorer_alone(pipeline.profiles["p"], endpoints, indexes, blocks, session)
@@ -100,10 +105,7 @@ def test_each_presets_profiles_total_each_scorer_alone(loads, preset, held, bloc
     """The built-in presets' profiles as configured (their scorers, weights and thresholds,
     P/D's two profiles) total exactly what each of their scorers scores alone."""
     endpoints = endpoints_of(loads)
-    names = [e.name for e in endpoints]
-    precise = {f"e{i}": min(p, blocks) for i, p, _ in held if i < len(names) and p}
-    approx = {f"e{i}": min(a, blocks) for i, _, a in held if i < len(names) and a}
-    indexes = Indexes(precise, approx)
+    indexes = indexes_of(len(endpoints), held, blocks)
     for profile in Pipeline.preset(preset, indexes).profiles.values():
         if profile.scorers:
             assert_totals_are_each_scorer_alone(profile, endpoints, indexes, blocks, session)
