@@ -61,13 +61,15 @@ ROUTER_HELP = {
     "in a sandbox, on a thread, within 2 s. Off: such requests get 400.",
     "index_capacity": "Most (block, endpoint) entries in the precise index.",
     "approx_capacity_per_endpoint": "Blocks remembered per endpoint by the approximate index.",
-    "first_byte_timeout": "Seconds to wait for the first byte of a streaming answer (the "
-    "engine sends it with the first token, after any queueing and the prefill) before the "
-    "request goes to another endpoint; counts towards the endpoint's ejection.",
-    "non_streaming_first_byte_timeout": "The same for a non-streaming answer, whose head comes "
+    "first_byte_timeout": "Seconds to wait for the first token of a streaming answer (its "
+    "first SSE data line, after any queueing and the prefill; a head or SSE comments sent "
+    "before it do not count) before the request goes to another endpoint; counts towards "
+    "the endpoint's ejection.",
+    "non_streaming_first_byte_timeout": "The same for a non-streaming answer, whose body comes "
     "only with the whole completion (a CPU engine may take minutes).",
-    "stream_idle_timeout": "Seconds with no byte in the middle of an answer before it is cut, "
-    "ended with an SSE error event, and counted towards the endpoint's ejection; 0: never.",
+    "stream_idle_timeout": "Seconds with no byte in a stream after its first token before it "
+    "is cut, ended with an SSE error event, and counted towards the endpoint's ejection; "
+    "0: never.",
     "outlier_consecutive_errors": "Outlier detection, as Envoy's consecutive_5xx: requests "
     "failed in a row (5xx answer, or a timeout before the first byte or mid-stream) that "
     "eject an endpoint for a while (an unreachable one is out until it answers /metrics "

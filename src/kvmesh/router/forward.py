@@ -100,10 +100,12 @@ class Watchdog:
 
 class Forward(Exchange):
     """One request to endpoint ``e`` on ``conn`` (``reused``: taken from the pool). Until its
-    head is in, it is cut after the first-byte timeout (a non-streaming inference request's
-    ``body`` earns it the longer one); after that, once no byte came for the stream idle
-    timeout (time the read was paused for a slow client does not count). ``charge``: the
-    inference bookkeeping told of the answer's milestones (None: none)."""
+    first token (router.proxy.Exchange: the first body bytes, or an SSE answer's first data
+    line), whatever the endpoint sent before it, it is cut after the first-byte timeout (a
+    non-streaming inference request's ``body`` earns it the longer one) and goes to another
+    endpoint; after that, once no byte came for the stream idle timeout (time the read was
+    paused for a slow client does not count). ``charge``: the inference bookkeeping told of the
+    answer's milestones (None: none)."""
 
     __slots__ = ("router", "e", "conn", "reused", "charge", "watchdog", "deadline", "body", "done")
 
@@ -145,7 +147,7 @@ class Forward(Exchange):
 
     def check(self, now: float) -> None:
         """The watchdog's look at an unsettled forward."""
-        if not self.started:
+        if not self.bodied:  # no token yet: a head alone (sent before the prefill) is not one
             if now < self.deadline:
                 return
             if self.body is not None:  # asked once, when the first-byte timeout passed
@@ -153,7 +155,8 @@ class Forward(Exchange):
                 if more > 0:
                     self.deadline = now + more
                     return
-            self.conn.abort()
+            self.conn.abort()  # the held head, if any, never reaches the client
+            self.pending = self.held = b""
             self.router.pool.request_failed(self.e, "timeout")
             self.router.metrics.count(self.e.name, "timeout")
             self._settle(RETRY)
@@ -174,16 +177,17 @@ class Forward(Exchange):
             self.router.metrics.count(self.e.name, f"http_{status}")
             self.router.pool.request_failed(self.e, "5xx")
             self._settle(RETRY)
-        elif self.charge is not None:
-            self.charge.passed()
 
     def first_body(self) -> None:
         if self.charge is not None:
+            self.charge.passed()
             self.charge.first_byte()
 
     def ended(self) -> None:
         if self.done:
             return
+        if not self.bodied and self.charge is not None:  # an answer with no body passed
+            self.charge.passed()
         self.e.errors = 0  # an answer in full: the outlier count starts again
         status = self.status
         self.router.metrics.count(self.e.name, "ok" if status < 400 else f"http_{status}")
@@ -193,12 +197,16 @@ class Forward(Exchange):
         if self.done:
             return
         router, e = self.router, self.e
-        if not error.started:
+        if not error.started:  # the client has nothing yet: another endpoint may answer
             if self.reused and not self.conn.got_bytes:
                 self._settle(STALE)
                 return
-            router.pool.unreachable(e)
-            router.metrics.count(e.name, "connect_error")
+            if self.started:  # it answered a head, then broke before the first token
+                router.pool.request_failed(e, "stream_error")
+                router.metrics.count(e.name, "stream_error")
+            else:
+                router.pool.unreachable(e)
+                router.metrics.count(e.name, "connect_error")
             self._settle(RETRY)
             return
         idle = isinstance(error, StreamIdle)  # the client has bytes already: end its answer

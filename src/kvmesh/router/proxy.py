@@ -57,27 +57,35 @@ def nodelay(transport: asyncio.BaseTransport) -> None:
 
 class Exchange:
     """One request's trip to an endpoint: its answer passes to the client as it comes, with
-    ``extra`` header lines, and the head goes out with the first body bytes when they come in
-    the same read (one write). A 5xx answer is never passed on. Subclasses say what the
-    milestones mean: ``headed(status)`` once the head is in (a 5xx: its connection is closed
-    already), ``ended()`` once the answer is in full, ``failed(error)`` when the connection
-    failed before that. ``last``: when bytes of the answer last came (monotonic)."""
+    ``extra`` header lines. The head is held until the answer's first token, so that an
+    endpoint that sends its head early (as vLLM does, before queueing and the prefill) and then
+    fails or times out can still be left for another: the first token is the first body bytes,
+    or for an SSE answer the first bytes holding a ``data:`` line (comments before it are held
+    too, up to MAX_HEAD). A 5xx answer is never passed on. Subclasses say what the milestones
+    mean: ``headed(status)`` once the head is in (a 5xx: its connection is closed already),
+    ``first_body()`` when the first token passes to the client, ``ended()`` once the answer is
+    in full, ``failed(error)`` when the connection failed before that (``error.started``: the
+    client has bytes of the answer). ``last``: when bytes of the answer last came (monotonic).
+    """
 
-    __slots__ = ("door", "extra", "status", "started", "chunks", "pending", "last", "bodied")
+    __slots__ = ("door", "extra", "status", "started", "chunks", "pending", "held", "sse")
+    __slots__ += ("last", "bodied")
 
     def __init__(self, door: FrontDoor, extra: bytes) -> None:
         self.door, self.extra = door, extra
         self.status, self.started = 0, False
         self.chunks: ChunkTracker | None = None
-        self.pending = b""  # the answer's head, sent with the first body bytes when they came too
+        self.pending = b""  # the answer's head, held until the first token (or the end)
+        self.held = b""  # body bytes before an SSE answer's first data line
+        self.sse = False  # a text/event-stream answer: its first token is its first data line
         self.last = 0.0
-        self.bodied = False  # body bytes came
+        self.bodied = False  # the first token passed to the client
 
     def headed(self, status: int) -> None:
         pass
 
     def first_body(self) -> None:
-        """Called once, when the first bytes of the body came."""
+        """Called once, when the first token (with the head) passes to the client."""
 
     def ended(self) -> None:
         pass
@@ -85,10 +93,13 @@ class Exchange:
     def failed(self, error: UpstreamError) -> None:
         pass
 
-    def on_head(self, status: int, head: bytes, delimited: bool, hop: bool = True) -> None:
+    def on_head(
+        self, status: int, head: bytes, delimited: bool, hop: bool = True, sse: bool = False
+    ) -> None:
         """head: the status line and header lines, without the blank line; status < 500.
-        ``hop``: it may hold hop-by-hop header lines (dropped)."""
-        self.status = status
+        ``hop``: it may hold hop-by-hop header lines (dropped); ``sse``: its content type is
+        text/event-stream."""
+        self.status, self.sse = status, sse
         door = self.door
         if not delimited:  # the body ends when the engine closes: so must the client's
             door.must_close = True
@@ -96,20 +107,27 @@ class Exchange:
             head = _HOP.sub(b"", head)
         close = b"\r\nConnection: close" if door.must_close else b""
         self.pending = b"HTTP/1.1%s\r\n%s%s\r\n\r\n" % (head[8:], self.extra, close)
-        door.sent_head = self.started = True
+        self.started = True
         self.last = monotonic()
         self.headed(status)
 
     def flush(self) -> None:
-        if self.pending and not self.door.closed:
-            self.door.transport.write(self.pending)
-        self.pending = b""
+        """The held head (and held bytes) to the client: the answer ended with no token."""
+        if self.pending:
+            door = self.door
+            door.sent_head = True
+            if not door.closed:
+                door.transport.write(self.pending + self.held)
+        self.pending = self.held = b""
 
     def on_body(self, data: bytes) -> None:
-        if self.pending:
-            data, self.pending = self.pending + data, b""
         if not self.bodied:
-            self.bodied = True
+            held = self.held + data
+            if self.sse and b"data:" not in held and len(held) <= MAX_HEAD:
+                self.held = held  # no token yet (an SSE comment, a keep-alive blank line)
+                return
+            data, self.pending, self.held = self.pending + held, b"", b""
+            self.bodied = self.door.sent_head = True
             self.first_body()
         self.last = monotonic()
         if not self.door.closed:
@@ -120,8 +138,9 @@ class Exchange:
         self.ended()
 
     def on_error(self, message: str, kind: type[UpstreamError] = UpstreamError) -> None:
-        self.flush()
-        self.failed(kind(message, self.started))
+        """The connection failed: a held head is dropped (the client has nothing yet)."""
+        self.pending = self.held = b""
+        self.failed(kind(message, self.bodied))
 
 
 class Upstream(asyncio.Protocol):
@@ -177,8 +196,7 @@ class Upstream(asyncio.Protocol):
             if self.remaining == 0:
                 self._finish()
                 return
-            if not data:
-                sink.flush()
+            if not data:  # the head is held until the first token or the end
                 return
         if self.remaining > 0:
             if len(data) >= self.remaining:
@@ -225,7 +243,7 @@ class Upstream(asyncio.Protocol):
             self.remaining = -1
             sink.chunks = self.chunks
         hop = connection is not None or b"keep-alive" in low  # hop-by-hop lines to drop
-        sink.on_head(status, head, delimited, hop)
+        sink.on_head(status, head, delimited, hop, b"text/event-stream" in low)
         return True
 
     def _finish(self) -> None:
