@@ -281,3 +281,21 @@ async def test_busy_is_read_only_from_kvmesh_engines_and_shown_unknown_else() ->
     table = loadgen.table([("vllm", s), ("blind", blind)], 0.5, "t")
     cells = {c.header: list(c.cells) for c in table.columns}
     assert cells["busy"] == ["-", "-"] and cells["preempt"] == ["0", "-"]
+
+
+def test_a_run_with_failed_requests_says_so_first_and_shows_no_ratio() -> None:
+    from kvmesh.bench.fleet import check_targets
+
+    ok = [loadgen.Record(i, 0.0, prompt_tokens=100, cached_tokens=90) for i in range(2)]
+    bad = [loadgen.Record(i, 0.0, error="HTTP 504: upstream stream stalled") for i in range(10)]
+    survivors = loadgen.summarize(ok + bad, 1.0, {}, {}, [])
+    clean = loadgen.summarize(ok, 1.0, {}, {}, [])
+    rows = [("kvmesh", survivors), ("round-robin", clean)]
+    assert loadgen.failures(rows) == [
+        "kvmesh: 10 of 12 requests failed (HTTP 504: upstream stream stalled)"
+    ]
+    cells = {c.header: list(c.cells) for c in loadgen.table(rows, 0.5, "t").columns}
+    assert [c.header for c in loadgen.table(rows, 0.5, "t").columns][:2] == ["policy", "failed"]
+    assert cells["hit rate"] == ["-", "0.900"] and cells["of ceiling"] == ["-", "180%"]
+    targets = check_targets("agentic", 0.5, dict(rows))
+    assert targets == {"failed": ["kvmesh"]}  # no ratio from the survivors

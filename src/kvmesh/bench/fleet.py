@@ -146,6 +146,11 @@ def _targets(spec: str, variants: list[str] = ()) -> list[Target]:
 def check_targets(wl_kind: str, ceiling: float, rows: dict[str, dict]) -> dict:
     """The issue's targets, where this run's policies and workload say something about them."""
     km, rr, out = rows.get("kvmesh"), rows.get("round-robin"), {}
+    failed = sorted(name for name, s in rows.items() if s["errors"])
+    if failed:  # no ratio from a run whose requests failed
+        out["failed"] = failed
+        km = None if km is None or km["errors"] else km
+        rr = None if rr is None or rr["errors"] else rr
     if km and wl_kind == "agentic":
         out["kvmesh_of_ceiling"] = round(km["hit_rate"] / ceiling, 3) if ceiling else None
         out["kvmesh_of_ceiling_ok"] = bool(ceiling) and km["hit_rate"] >= 0.9 * ceiling
@@ -333,6 +338,8 @@ def main(args: argparse.Namespace) -> int:
                     engines_proc.stop()
     for note in skipped:
         console.print(f"[yellow]note[/] {note}")
+    for line in loadgen.failures(list(rows.items())):
+        console.print(f"[red]FAILED[/] {line}")
     console.print(loadgen.table(list(rows.items()), ceiling["hit_rate"], title))
     if any("replicas" in s for s in rows.values()):
         console.print(replicas.table(rows))

@@ -332,18 +332,35 @@ def _row(r: Record) -> list:
     ]
 
 
+def failures(rows: list[tuple[str, dict]]) -> list[str]:
+    """One line per row whose requests did not all succeed: printed before any table, since a
+    ratio over the survivors of a failing run says nothing."""
+    out = []
+    for name, s in rows:
+        if s["errors"]:
+            seen = "; ".join(s.get("error_samples", [])[:3])
+            out.append(f"{name}: {s['errors']} of {s['requests']} requests failed ({seen})")
+    return out
+
+
 def table(rows: list[tuple[str, dict]], ceiling: float, title: str) -> Table:
-    """A rich table, one row per (name, summary)."""
+    """A rich table, one row per (name, summary); a row with failed requests shows its failures
+    first and no hit rate or ratio (those of its survivors would mislead)."""
     t = Table(title=f"{title}: hit-rate ceiling {ceiling:.3f} (infinite cache, one engine)")
-    cols = "policy|hit rate|of ceiling|TTFT p50|p90|p99|ITL p50|p99|out tok/s|load max/mean|busy"
-    for col in (cols + "|preempt|errors").split("|"):
+    cols = "policy|failed|hit rate|of ceiling|TTFT p50|p90|p99|ITL p50|p99|out tok/s"
+    for col in (cols + "|load max/mean|busy|preempt").split("|"):
         t.add_column(col, justify="left" if col == "policy" else "right")
     for name, s in rows:
-        busy = s.get("busy_mean")
+        busy, failed = s.get("busy_mean"), s["errors"]
+        ratios = (
+            ("-", "-")
+            if failed
+            else (f"{s['hit_rate']:.3f}", f"{s['hit_rate'] / ceiling:.0%}" if ceiling else "-")
+        )
         t.add_row(
             name,
-            f"{s['hit_rate']:.3f}",
-            f"{s['hit_rate'] / ceiling:.0%}" if ceiling else "-",
+            f"[red]{failed} of {s['requests']}[/]" if failed else "0",
+            *ratios,
             *(f"{s[f'ttft_ms_p{q}']:.0f} ms" for q in (50, 90, 99)),
             f"{s['itl_ms_p50']:.1f} ms",
             f"{s.get('itl_ms_p99', 0.0):.1f} ms",
@@ -351,6 +368,5 @@ def table(rows: list[tuple[str, dict]], ceiling: float, title: str) -> Table:
             f"{s['load_max_mean']:.2f}",
             f"{busy:.0%}" if busy is not None else "-",
             str(s["preemptions"]) if s.get("preemptions") is not None else "-",
-            str(s["errors"]),
         )
     return t

@@ -12,7 +12,7 @@ from pathlib import Path
 from rich.console import Console
 
 from kvmesh.bench import cli_args
-from kvmesh.bench.loadgen import progress_bars, run_workload, table
+from kvmesh.bench.loadgen import failures, progress_bars, run_workload, table
 from kvmesh.bench.workloads import hit_ceiling
 
 
@@ -52,6 +52,8 @@ def main_workload(args: argparse.Namespace) -> int:
             )
         )
     ceiling = hit_ceiling(wl.requests)
+    for line in failures([(args.url, result)]):
+        console.print(f"[red]FAILED[/] {line}")
     console.print(table([(args.url, result)], ceiling["hit_rate"], wl.kind))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
