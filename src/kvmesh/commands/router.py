@@ -79,6 +79,11 @@ ROUTER_HELP = {
     "outlier_max_ejection_time": "Longest ejection, in seconds.",
     "outlier_max_ejection_percent": "Most of the fleet ejected at once, in percent (always "
     "at least one endpoint); with every endpoint out, requests try them all.",
+    "healthy_panic_threshold": "Envoy's healthy_panic_threshold: while fewer endpoints than "
+    "this percent of the fleet are in rotation (not ejected, answering their checks), "
+    "requests go to every endpoint but those refusing connections, ejected or with checks "
+    "timing out, so that timeouts on a loaded host never leave no endpoint "
+    "(kvmesh_router_healthy_panic); 0: never.",
     "prefill_max_retries": "P/D: prefill attempts beyond the first before the decode endpoint "
     "prefills itself.",
     "kv_index_warmup_timeout": "Seconds after start during which inference requests wait for "

@@ -29,7 +29,10 @@ ENGINE_HELP = {
     "comes from PYTHONHASHSEED when set; set the same on every engine and router.",
     "scheduling_policy": f"{' or '.join(SCHEDULING_POLICIES)}: with priority, lower "
     "`priority` values run first and are preempted last.",
-    "max_waiting_requests": "Queue limit; beyond it requests get 503 with Retry-After.",
+    "max_waiting_requests": "Queue limit; beyond it requests get 503 with Retry-After. A "
+    "request whose prompts do not all fit in the queue gets 503 with none of them queued.",
+    "max_choices_per_request": "Most choices (prompts times n) one request may ask for; more: "
+    "400 before any is tokenized or queued.",
     "max_logprobs": "Largest `logprobs` / `top_logprobs` a request may ask for.",
     "trust_request_chat_template": "Render chat templates that requests bring (`chat_template`, "
     "`chat_template_kwargs.chat_template`), as vLLM's flag; each in a sandbox, on a thread, "
@@ -144,7 +147,7 @@ UP_ROUTER_FLAGS = (
     "preset", "scheduler_config", "max_retries", "scrape_interval", "first_byte_timeout",
     "non_streaming_first_byte_timeout", "stream_idle_timeout", "outlier_consecutive_errors",
     "outlier_base_ejection_time", "outlier_max_ejection_time", "outlier_max_ejection_percent",
-    "kv_index_warmup_timeout", "kv_peer_min_cached_token_delta",
+    "healthy_panic_threshold", "kv_index_warmup_timeout", "kv_peer_min_cached_token_delta",
 )  # fmt: skip
 
 

@@ -69,6 +69,8 @@ class RouterConfig:
     outlier_base_ejection_time: float = 30.0
     outlier_max_ejection_time: float = 300.0
     outlier_max_ejection_percent: float = 50.0
+    # Envoy's healthy_panic_threshold: below this percent in rotation, route over all that answer
+    healthy_panic_threshold: float = 50.0
     prefill_max_retries: int = 0  # P/D: prefill attempts beyond the first before falling back
     # a server whose /metrics shows several engine="<rank>" series: one endpoint per rank
     discover_data_parallel: bool = True
@@ -97,6 +99,7 @@ class RouterConfig:
             self.outlier_base_ejection_time,
             self.outlier_max_ejection_time,
             self.outlier_max_ejection_percent,
+            self.healthy_panic_threshold,
         )
 
     def __post_init__(self) -> None:

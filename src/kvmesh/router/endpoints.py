@@ -18,7 +18,7 @@ import yaml
 from kvmesh.protocol.prom import parse_block_size, parse_engine_load
 from kvmesh.protocol.zmq_events import offset_endpoint
 from kvmesh.router.outlier import OutlierDetection, ejection_ended, forget_ejections
-from kvmesh.router.page_reader import PageError, PageReader
+from kvmesh.router.page_reader import PageError, PageReader, PageTimeout
 
 logger = logging.getLogger(__name__)
 LOST_AFTER = 3
@@ -45,6 +45,7 @@ class Endpoint:
     in_flight_tokens: int = 0
     pending_prefill_tokens: int = 0  # uncached prompt tokens of forwarded requests not answered yet
     failures: int = 0  # failed checks (connects, scrapes) in a row
+    timed_out: bool = False  # the last failed check timed out (a loaded host), none refused
     retry_at: float = 0.0
     last_scrape: float = 0.0
     errors: int = 0  # requests failed in a row (5xx answers, timeouts): the outlier count
@@ -66,16 +67,16 @@ class Endpoint:
     def host(self) -> str:
         return urlparse(self.url).hostname or "127.0.0.1"
 
-    def mark_failure(self, now: float) -> None:
+    def mark_failure(self, now: float, timed_out: bool = False) -> None:
         """Unreachable: checked again after 0.25 s doubling to MAX_BACKOFF, so an engine that
         restarted is back in rotation within about MAX_BACKOFF of answering /metrics."""
         self.failures += 1
-        self.healthy = False
+        self.healthy, self.timed_out = False, timed_out
         self.retry_at = now + min(MAX_BACKOFF, 0.25 * 2 ** min(self.failures - 1, 8))
 
     def mark_success(self) -> None:
         self.failures = 0
-        self.healthy = True
+        self.healthy, self.timed_out = True, False
 
 
 def data_parallel_ranks(base: Endpoint, size: int) -> list[Endpoint]:
@@ -149,7 +150,8 @@ class EndpointPool:
     """The live set of endpoints, kept fresh by background tasks on the router's event loop.
     Invariant: candidates() are the healthy (reachable) endpoints not ejected at that moment,
     not keyed in another block size than the router's (router.block_size judges each scrape's)
-    and not serving another model (router.engine_model judges each once reached); a scrape
+    and not serving another model (router.engine_model judges each once reached), or in panic
+    (too few of those: outlier.OutlierDetection.rotation) all of these but the refused; a scrape
     never ends an ejection early, except for an endpoint that was gone LOST_AFTER checks (a
     restarted engine starts afresh)."""
 
@@ -177,6 +179,7 @@ class EndpointPool:
         self._tasks: list[asyncio.Task] = []
         self.reader = PageReader()  # the /metrics reads, a keep-alive connection per server
         self._ranks_read: dict[str, float] = {}  # server -> when its ranks were last read
+        self.panic = False  # too few endpoints in rotation: requests go to all that answer
 
     def add(self, e: Endpoint) -> None:
         """e joins the pool (its KV events, indexes and connections follow via on_added)."""
@@ -189,20 +192,27 @@ class EndpointPool:
         self.on_removed(name)
 
     def candidates(self) -> list[Endpoint]:
-        now = time.monotonic()
-        return [
-            e
-            for e in self.endpoints.values()
-            if e.healthy
-            and e.ejected_until <= now
-            and not (e.block_size_mismatch or e.model_mismatch)
-        ]
+        routable, panic = self.outlier.rotation(self.endpoints.values(), time.monotonic())
+        if panic is not self.panic:
+            self.panic = panic
+            if panic:
+                logger.warning(
+                    "panic: fewer than %g%% of the endpoints in rotation; routing over all %d "
+                    "that answer, ejected or not", self.outlier.healthy_panic_threshold,
+                    len(routable),
+                )  # fmt: skip
+            else:
+                logger.info("panic over: enough endpoints in rotation again")
+            if self.metrics is not None:
+                self.metrics.healthy_panic.set(1 if panic else 0)
+        return routable
 
-    def unreachable(self, e: Endpoint) -> None:
-        """A connect or a scrape failed: out of rotation until a scrape succeeds; gone (what
-        it cached no longer counted on) at the LOST_AFTER-th failure in a row."""
+    def unreachable(self, e: Endpoint, timed_out: bool = False) -> None:
+        """A connect or a scrape failed (``timed_out``: no answer in time, not refused): out of
+        rotation until a scrape succeeds; gone (what it cached no longer counted on) at the
+        LOST_AFTER-th failure in a row."""
         was = e.healthy
-        e.mark_failure(time.monotonic())
+        e.mark_failure(time.monotonic(), timed_out)
         if was:
             logger.warning("endpoint %s unreachable", e.name)
             self._count("ejections", e.name, "unreachable")
@@ -293,10 +303,10 @@ class EndpointPool:
         url = endpoints[0].url
         try:
             text = await self.reader.read(url + "/metrics", SCRAPE_TIMEOUT)
-        except PageError:
+        except PageError as exc:
             self._ranks_read.pop(url, None)
             for e in endpoints:
-                self.unreachable(e)
+                self.unreachable(e, isinstance(exc, PageTimeout))
             return
         now = time.monotonic()
         if (

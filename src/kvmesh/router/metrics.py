@@ -136,6 +136,12 @@ class RouterMetrics:
             ["endpoint"],
             registry=r,
         )
+        self.healthy_panic = Gauge(
+            "kvmesh_router_healthy_panic",
+            "1 while fewer endpoints than --healthy-panic-threshold percent are in rotation, "
+            "so requests go to every endpoint that answers, ejected or not (Envoy's panic).",
+            registry=r,
+        )
         self.kv_event_replays = Counter(
             "kvmesh_router_kv_event_replays",
             "KV event replays applied from an endpoint's replay socket, by reason: start (a new "

@@ -1,10 +1,12 @@
 """Outlier detection, as Envoy's consecutive-5xx: an endpoint whose requests keep failing leaves
-rotation for a while. Its state lives on the Endpoint (errors, ejected_until, ejected,
-times_ejected); EndpointPool (router.endpoints) counts and logs what happens here."""
+rotation for a while; and Envoy's panic threshold: when too few endpoints are left in rotation,
+requests go to every endpoint still answering, ejected or not. Its state lives on the Endpoint
+(errors, ejected_until, ejected, times_ejected, timed_out); EndpointPool (router.endpoints)
+counts and logs what happens here."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -18,12 +20,18 @@ class OutlierDetection:
     times in a row (a 5xx answer, a timeout before the first byte or mid-stream; a broken
     connection is the reachability check's business) leaves rotation for the base time
     multiplied by its ejections so far, at most max_ejection_time; at most max_ejection_percent
-    of the fleet (but always one endpoint) is out at once, and never the last in rotation."""
+    of the fleet (but always one endpoint) is out at once, and never the last in rotation.
+
+    healthy_panic_threshold (percent, Envoy's healthy_panic_threshold): while fewer endpoints
+    than this share of the fleet are in rotation, the fleet is in panic and requests go to
+    all of it but the refused (rotation() below): timeouts and 5xx of a loaded host then never
+    leave clients without an endpoint; 0: never panic."""
 
     consecutive_errors: int = 5  # 0: never eject
     base_ejection_time: float = 30.0
     max_ejection_time: float = 300.0
     max_ejection_percent: float = 50.0
+    healthy_panic_threshold: float = 50.0
 
     def __post_init__(self) -> None:
         if self.consecutive_errors < 0:
@@ -32,6 +40,24 @@ class OutlierDetection:
             raise ValueError("outlier ejection times: 0 < base <= max")
         if not 0 <= self.max_ejection_percent <= 100:
             raise ValueError("--outlier-max-ejection-percent must be in [0, 100]")
+        if not 0 <= self.healthy_panic_threshold <= 100:
+            raise ValueError("--healthy-panic-threshold must be in [0, 100]")
+
+    def rotation(self, endpoints: Iterable[Endpoint], now: float) -> tuple[list[Endpoint], bool]:
+        """(the endpoints requests may go to, whether the fleet is in panic). The fleet: the
+        endpoints of the router's block size and model. In rotation: the healthy and not
+        ejected. In panic (fewer of those than healthy_panic_threshold percent of the fleet):
+        also the ejected and those whose checks timed out; never one that refused
+        connections, whose requests could only fail."""
+        fleet, routable = [], []
+        for e in endpoints:
+            if not (e.block_size_mismatch or e.model_mismatch):
+                fleet.append(e)
+                if e.healthy and e.ejected_until <= now:
+                    routable.append(e)
+        if len(routable) * 100 >= self.healthy_panic_threshold * len(fleet):
+            return routable, False
+        return [e for e in fleet if e.healthy or e.timed_out], True
 
     def request_failed(self, e: Endpoint, fleet: Collection[Endpoint], now: float) -> float:
         """Count a failed request at e (one of fleet); eject e when that made consecutive_errors

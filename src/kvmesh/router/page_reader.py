@@ -22,6 +22,10 @@ class PageError(OSError):
     """The page could not be read: connect, timeout, framing, status or size."""
 
 
+class PageTimeout(PageError):
+    """No answer within the time given: the server may be alive but too busy to answer."""
+
+
 class _Reading(asyncio.Protocol):
     """One keep-alive connection; one GET at a time (``answer`` is its future)."""
 
@@ -118,7 +122,7 @@ class PageReader:
                 page = await conn.answer
         except TimeoutError:
             self._drop(conn)
-            raise PageError(f"no answer within {timeout:g} s") from None
+            raise PageTimeout(f"no answer within {timeout:g} s") from None
         except OSError as exc:
             self._drop(conn)
             raise exc if isinstance(exc, PageError) else PageError(str(exc)) from exc
