@@ -69,6 +69,9 @@ def test_quick_run_reports_latency_rate_cpu_and_scheduling(tmp_path: Path) -> No
         assert math.isfinite(lat["added_p50_ms"]) and math.isfinite(lat["added_p99_ms"])
     tp = row["throughput"]
     assert tp["req_s"] > 0 and tp["errors"] == 0
+    for loop in ("throughput_8k", "throughput_repeated"):  # 8k new prompts; the extra case
+        assert row[loop]["req_s"] > 0 and row[loop]["router_cpu_us_per_req"] > 0
+        assert fleet["direct"][loop]["req_s"] > 0
     assert len(row["rounds"]) == 2  # each figure: the median of the rounds'
     both = [r["throughput"]["router_cpu_us_per_req"] for r in row["rounds"]]
     assert tp["router_cpu_us_per_req"] == round(statistics.median(both), 4)
@@ -84,6 +87,8 @@ def test_quick_run_reports_latency_rate_cpu_and_scheduling(tmp_path: Path) -> No
         for kind in ("repeated", "new", "extended"):
             assert figures[kind]["us"] == min(figures[kind]["runs"]) > 0
     assert "kvmesh_added_p50_ms" in result["targets"]["engines_2"]["small"]
+    for key in ("router_cpu_us_per_req", "router_cpu_us_per_req_8k", "req_s_repeated"):
+        assert result["targets"]["engines_2"][key]["kvmesh"] > 0
     assert result["targets"]["schedule_warm_p50_ms"] > 0
 
 
@@ -142,3 +147,18 @@ def test_envoy_with_the_kvmesh_picker_is_a_router_row_not_a_peer(tmp_path) -> No
     epp = [c for c in config["static_resources"]["clusters"] if c["name"] == "kvmesh_epp"][0]
     address = epp["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
     assert address["socket_address"]["port_value"] == 9002
+
+
+def test_the_closed_loop_sends_a_new_prompt_on_every_request_unless_told_to_repeat() -> None:
+    from kvmesh.bench.router_client import prompt_requests
+
+    def prompt(raw: bytes) -> str:
+        return json.loads(raw.split(b"\r\n\r\n", 1)[1])["prompt"]
+
+    new = prompt_requests("http://127.0.0.1:1", "m", "shared context")
+    sent = [prompt(new(k, i)) for k in range(8) for i in range(100)]
+    assert len(set(sent)) == len(sent)  # as traffic is: never the same prompt twice
+    assert all(p.startswith("shared context #") for p in sent)  # a prefix they all share
+    repeated = prompt_requests("http://127.0.0.1:1", "m", "shared context", repeated=64)
+    sent = [prompt(repeated(k, i)) for k in range(8) for i in range(100)]
+    assert len(set(sent)) == 64

@@ -31,14 +31,17 @@ from kvmesh.bench.router_procs import (
     stop_all,
 )
 from kvmesh.bench.router_report import plot, print_tables, targets_summary
-from kvmesh.bench.router_rounds import measure_rate, median_rows
+from kvmesh.bench.router_rounds import loop_names, measure_loops, median_rows
 
 EPILOG = """What is measured, for each fleet size and each router (one at a time, same engines):
   added latency  p50/p99 through the router minus p50/p99 straight to an engine, requests sent
                  one at a time, routed and direct interleaved; a small prompt and an ~8,000-char
                  prompt (shared text + a unique tail), non-streaming (whole answer, max_tokens 1)
                  and streaming (time to the first body byte = first SSE event, max_tokens 4)
-  req/s          closed loop at --concurrency connections, small prompt, non-streaming
+  req/s          closed loop at --concurrency connections, non-streaming, one per --loops:
+                 small and 8k, a new prompt on every request (a shared text + a unique tail,
+                 as an agent's next turn), and "repeated" (the small prompt with one of 64
+                 tails in turn: a labelled extra, as a router's whole-prompt caches answer it)
   CPU us/req     router process group utime+stime (/proc/PID/stat) over that window / answers
   --rounds N     every router measured N times in turn (A B C, A B C, ...); each figure is the
                  median of its N, the N in router.json
@@ -70,6 +73,7 @@ FLAGS = (  # flag, type, default, help
     ("--concurrency", int, 32, "Connections of the closed loop."),
     ("--duration", float, 5.0, "Seconds of the measured closed-loop window."),
     ("--warmup", float, 1.0, "Seconds of closed loop before the window."),
+    ("--loops", str, "small,8k,repeated", "Closed loops to run (small, 8k, repeated)."),
     ("--rounds", int, 1, "Rounds of every router in turn; each figure is its median over them."),
     ("--sglang-router-bin", str, None, "sglang-router executable (default: from PATH)."),
     ("--vllm-router-bin", str, None, "vllm-router executable (default: from PATH)."),
@@ -132,8 +136,8 @@ def _interleaved(targets, urls, model, bins, prefix, args, engines, fleet) -> di
                 for name, by_label in by_url.items():
                     pooled.setdefault(name, []).extend(by_label[DIRECT])
                 for label, (proc, url) in running.items():
-                    rate = measure_rate([url], model, args, proc, engines)
-                    rounds.setdefault(label, []).append({"latency": lat[url], "throughput": rate})
+                    loops = measure_loops([url], model, args, proc, engines)
+                    rounds.setdefault(label, []).append({"latency": lat[url], **loops})
             except (RuntimeError, OSError) as exc:
                 fleet["failed"].append({"router": "interleaved round", "error": repr(exc)[-600:]})
     finally:
@@ -154,7 +158,7 @@ def _sequential(targets, urls, model, bins, prefix, args, engines, fleet) -> dic
                 continue
             try:
                 lat, direct = measure_latency(url, urls, model, args.requests, args.seed)
-                rate = measure_rate([url], model, args, proc, engines)
+                loops = measure_loops([url], model, args, proc, engines)
             except (RuntimeError, OSError) as exc:
                 fleet["failed"].append({"router": t.label, "error": repr(exc)[-600:]})
                 continue
@@ -162,7 +166,7 @@ def _sequential(targets, urls, model, bins, prefix, args, engines, fleet) -> dic
                 proc.stop()
             for name, samples in direct.items():
                 fleet["pooled"].setdefault(name, []).extend(samples)
-            rounds.setdefault(t.label, []).append({"latency": lat, "throughput": rate})
+            rounds.setdefault(t.label, []).append({"latency": lat, **loops})
     return rounds
 
 
@@ -178,7 +182,7 @@ def run_fleet(n: int, targets: list[Target], bins: dict, prefix: list[str], args
             for p in ("/v1/completions/render", "/tokenize")
         }
         print(f"[{n} engines] direct closed loop ...", flush=True)
-        fleet["direct"] = {"throughput": measure_rate(urls, model, args, None, engines)}
+        fleet["direct"] = measure_loops(urls, model, args, None, engines)
         fleet["pooled"] = {}  # direct samples of every round
         measure = _interleaved if args.interleave else _sequential
         rounds = measure(targets, urls, model, bins, prefix, args, engines, fleet)
@@ -213,6 +217,7 @@ def main(args: argparse.Namespace) -> int:
         args.engines, args.requests = "2", 30
         args.duration, args.warmup = 1.0, 0.3
         args.micro_repeats, args.micro_tokens = 10, 4096
+    loop_names(args.loops)  # a bad name is refused before anything starts
     args.out.mkdir(parents=True, exist_ok=True)
     sizes = [int(x) for x in str(args.engines).split(",") if x.strip()]
     bins = {

@@ -13,6 +13,7 @@ import json
 import random
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
@@ -156,7 +157,7 @@ def prompt_text(kind: str, seed: int = 0) -> str:
     return " ".join(words)
 
 
-def completion_body(model: str | None, prompt: str, stream: bool) -> dict:
+def completion_body(model: str | None, prompt: str, stream: bool = False) -> dict:
     body = {"prompt": prompt, "max_tokens": 4 if stream else 1, "temperature": 0}
     if stream:
         body["stream"] = True
@@ -200,7 +201,29 @@ class _Proto(asyncio.Protocol):
             self.waiter.set_exception(ConnectionResetError("connection lost"))
 
 
-async def _worker(url: str, raws: list[bytes], stats: LoopStats, stop: asyncio.Event) -> None:
+RequestMaker = Callable[[int, int], bytes]  # (connection k, its i-th request) -> raw request
+
+
+def prompt_requests(url: str, model: str | None, text: str, repeated: int = 0) -> RequestMaker:
+    """Requests of ``text`` with a tail: new on every request of every connection (as an
+    agent's next turn: a known prefix, a new ending), or with ``repeated`` > 0 one of that many
+    tails in turn (a labelled extra case: a router's whole-prompt caches answer repeats)."""
+
+    def distinct(k: int, i: int) -> bytes:
+        return request_bytes(url, "/v1/completions", completion_body(model, f"{text} #{k}.{i}"))
+
+    if repeated <= 0:
+        return distinct
+    cycle = [
+        request_bytes(url, "/v1/completions", completion_body(model, f"{text} #{i}"))
+        for i in range(repeated)
+    ]
+    return lambda k, i: cycle[(k + i) % repeated]
+
+
+async def _worker(
+    url: str, k: int, make: RequestMaker, stats: LoopStats, stop: asyncio.Event
+) -> None:
     loop = asyncio.get_running_loop()
     u = urlparse(url)
     proto: _Proto | None = None
@@ -208,10 +231,11 @@ async def _worker(url: str, raws: list[bytes], stats: LoopStats, stop: asyncio.E
     while not stop.is_set():
         if proto is None or proto.lost:
             _, proto = await loop.create_connection(_Proto, u.hostname, u.port)
+        raw = make(k, i)
         proto.resp = Response()
         proto.waiter = loop.create_future()
         assert proto.transport is not None
-        proto.transport.write(raws[i % len(raws)])
+        proto.transport.write(raw)
         i += 1
         try:
             resp = await asyncio.wait_for(proto.waiter, 30)
@@ -236,18 +260,20 @@ async def _worker(url: str, raws: list[bytes], stats: LoopStats, stop: asyncio.E
 
 async def closed_loop(
     urls: list[str],
-    raws_per_url: list[list[bytes]],
+    makers: list[RequestMaker],
     concurrency: int,
     warmup_s: float,
     duration_s: float,
     on_window: tuple,
 ) -> tuple[LoopStats, float]:
-    """``concurrency`` connections (spread over ``urls``) each send its next request when the
-    last is answered. Counts the answers within the measured window; ``on_window`` =
-    (start_callback, end_callback) run at the window's edges. Returns (stats, window seconds)."""
+    """``concurrency`` connections (spread over ``urls``, the requests to urls[j] made by
+    makers[j]) each send its next request when the last is answered. Counts the answers within
+    the measured window; ``on_window`` = (start_callback, end_callback) run at the window's
+    edges. Returns (stats, window seconds)."""
     stats, stop = LoopStats(), asyncio.Event()
+    n = len(urls)
     tasks = [
-        asyncio.create_task(_worker(urls[k % len(urls)], raws_per_url[k % len(urls)], stats, stop))
+        asyncio.create_task(_worker(urls[k % n], k, makers[k % n], stats, stop))
         for k in range(concurrency)
     ]
     await asyncio.sleep(warmup_s)

@@ -14,6 +14,13 @@ CASE_TITLES = {
 }
 
 
+LOOP_TITLES = {  # closed-loop row key -> its title (the repeated one is a labelled extra)
+    "throughput": "small, new",
+    "throughput_8k": "8k, new",
+    "throughput_repeated": "small, 64 repeated (extra)",
+}
+
+
 def _cell(d: dict | None, a: str, b: str, fmt: str = "{:+.3f}") -> str:
     if not d or a not in d:
         return "-"
@@ -47,15 +54,18 @@ def targets_summary(result: dict) -> dict:
                 entry["best_peer"] = best["router"]
                 entry["best_peer_added_p50_ms"] = best["latency"][case]["added_p50_ms"]
             row[case] = entry
-        for key, pick in (("req_s", max), ("router_cpu_us_per_req", min)):
-            entry = {}
-            if km:
-                entry["kvmesh"] = km["throughput"][key]
-            if peers:
-                best = pick(peers, key=lambda r, k=key: r["throughput"][k])
-                entry["best_peer"] = best["router"]
-                entry["best_peer_value"] = best["throughput"][key]
-            row[key] = entry
+        for loop in LOOP_TITLES:
+            for key, pick in (("req_s", max), ("router_cpu_us_per_req", min)):
+                had = [r for r in peers if loop in r]
+                entry = {}
+                if km and loop in km:
+                    entry["kvmesh"] = km[loop][key]
+                if had:
+                    best = pick(had, key=lambda r, k=key, lp=loop: r[lp][k])
+                    entry["best_peer"] = best["router"]
+                    entry["best_peer_value"] = best[loop][key]
+                if entry:
+                    row[key + loop.removeprefix("throughput")] = entry
         out[f"engines_{fleet['engines']}"] = row
     micro = result.get("micro")
     if micro:
@@ -92,19 +102,26 @@ def print_tables(result: dict) -> None:
                 *(_cell(lat.get(c), "added_p50_ms", "added_p99_ms") for c in CASE_TITLES),
             )
         con.print(t)
-        t = Table(title=f"{n} engines: closed loop, small prompt (router + engines on one CPU)")
-        for col in ("router", "req/s", "router CPU us/req", "engines CPU us/req", "errors"):
-            t.add_column(col, justify="left" if col == "router" else "right")
-        rows = [("direct (engine)", fleet.get("direct", {}).get("throughput", {}))]
-        rows += [(r["router"], r["throughput"]) for r in fleet["routers"]]
-        for name, tp in rows:
-            t.add_row(
-                name,
-                str(tp.get("req_s", "-")),
-                str(tp.get("router_cpu_us_per_req", "-")),
-                str(tp.get("engines_cpu_us_per_req", "-")),
-                str(tp.get("errors", "-")),
-            )
+        t = Table(
+            title=f"{n} engines: closed loops, req/s | router CPU us/req (router + engines on "
+            "one CPU); a new prompt on every request unless marked"
+        )
+        rows = [("direct (engine)", fleet.get("direct", {}))]
+        rows += [(r["router"], r) for r in fleet["routers"]]
+        loops = [k for k in LOOP_TITLES if any(k in r for _, r in rows)]
+        t.add_column("router")
+        for k in loops:
+            t.add_column(LOOP_TITLES[k], justify="right")
+        t.add_column("errors", justify="right")
+        for name, r in rows:
+            cells = [
+                f"{r[k].get('req_s', '-')} | {r[k].get('router_cpu_us_per_req', '-')}"
+                if k in r
+                else "-"
+                for k in loops
+            ]
+            errors = sum(r[k].get("errors", 0) for k in loops if k in r)
+            t.add_row(name, *cells, f"[red]{errors}[/]" if errors else "0")
         con.print(t)
         for f in fleet["failed"]:
             con.print(f"[red]failed[/] {f['router']}: {f['error'][-300:]}")
@@ -183,11 +200,13 @@ def _print_targets(con, tg: dict) -> None:
                 f"<= {ADDED_TARGET_MS}{peer}",
                 "yes" if e["meets_target"] else "NO",
             )
-        for k, title in (("req_s", "req/s"), ("router_cpu_us_per_req", "router CPU us/req")):
-            e = row.get(k, {})
-            if "kvmesh" in e:
-                peer = f"{e['best_peer']} {e['best_peer_value']}" if "best_peer" in e else "-"
-                t.add_row(f"{n} eng: {title}", str(e["kvmesh"]), peer, "")
+        for loop, what in LOOP_TITLES.items():
+            suffix = loop.removeprefix("throughput")
+            for k, title in (("req_s", "req/s"), ("router_cpu_us_per_req", "router CPU us/req")):
+                e = row.get(k + suffix, {})
+                if "kvmesh" in e:
+                    peer = f"{e['best_peer']} {e['best_peer_value']}" if "best_peer" in e else "-"
+                    t.add_row(f"{n} eng: {title}, {what}", str(e["kvmesh"]), peer, "")
     for phase in ("warm", "cold"):
         if f"schedule_{phase}_p50_ms" in tg:
             t.add_row(
@@ -221,11 +240,11 @@ def plot(result: dict, path: Path) -> None:
     )
     ax.legend(fontsize=8)
     for ax, key, title in (
-        (axes[0][1], "req_s", "req/s, closed loop C=32"),
-        (axes[1][0], "router_cpu_us_per_req", "router CPU µs / request"),
+        (axes[0][1], "req_s", "req/s, closed loop C=32, a new small prompt each"),
+        (axes[1][0], "router_cpu_us_per_req", "router CPU µs / request, a new small prompt each"),
     ):
         labels = [n for n, _ in rows]
-        vals = [r["throughput"].get(key, 0.0) for _, r in rows]
+        vals = [r.get("throughput", {}).get(key, 0.0) for _, r in rows]
         colors = ["tab:green" if r["kind"] == "kvmesh" else "tab:gray" for _, r in rows]
         ax.bar(labels, vals, color=colors)
         ax.set_title(title)

@@ -1,6 +1,7 @@
-"""`kvmesh bench router`'s closed loop (sustained rate and CPU per request) and how rounds of
-every router's measurements combine: the median of each figure, so that host noise in one
-round moves no router's figures alone."""
+"""`kvmesh bench router`'s closed loops (sustained rate and CPU per request: a new prompt on
+every request, as traffic is, small and ~8k characters; a small prompt repeated from 64 as a
+labelled extra) and how rounds of every router's measurements combine: the median of each
+figure, so that host noise in one round moves no router's figures alone."""
 
 from __future__ import annotations
 
@@ -8,8 +9,7 @@ import asyncio
 import contextlib
 import statistics
 
-from kvmesh.bench.router_client import closed_loop, completion_body, prompt_text
-from kvmesh.bench.router_client import request_bytes as raw_request
+from kvmesh.bench.router_client import closed_loop, prompt_requests, prompt_text
 from kvmesh.bench.router_procs import Proc
 
 
@@ -21,15 +21,34 @@ def _loop_runner():
     return asyncio.Runner()
 
 
-def measure_rate(urls: list[str], model: str | None, args, router: Proc | None, engines: Proc):
-    text = prompt_text("small", args.seed)
-    raws = [
-        [
-            raw_request(u, "/v1/completions", completion_body(model, f"{text} #{i}", False))
-            for i in range(64)
-        ]
-        for u in urls
-    ]
+LOOPS = {  # --loops name -> (row key, prompt kind, repeated prompts: 0 = a new one each time)
+    "small": ("throughput", "small", 0),
+    "8k": ("throughput_8k", "long", 0),
+    "repeated": ("throughput_repeated", "small", 64),  # a labelled extra: not what users send
+}
+
+
+def loop_names(spec: str) -> list[str]:
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = [n for n in names if n not in LOOPS]
+    if unknown or not names:
+        raise SystemExit(f"--loops: {', '.join(unknown) or spec!r}: choose from {', '.join(LOOPS)}")
+    return names
+
+
+def measure_loops(urls: list[str], model: str | None, args, router: Proc | None, engines: Proc):
+    """Each closed loop of --loops in turn: row key -> its row (measure_rate)."""
+    out = {}
+    for name in loop_names(args.loops):
+        key, kind, repeated = LOOPS[name]
+        text = prompt_text(kind, args.seed)
+        makers = [prompt_requests(u, model, text, repeated) for u in urls]
+        out[key] = measure_rate(urls, makers, args, router, engines)
+    return out
+
+
+def measure_rate(urls: list[str], makers: list, args, router: Proc | None, engines: Proc):
+    """One closed loop: answers a second and CPU per answer of the router and the engines."""
     cpu: dict[str, float] = {}
 
     def edge(tag: str):
@@ -43,7 +62,7 @@ def measure_rate(urls: list[str], model: str | None, args, router: Proc | None, 
     with _loop_runner() as runner:
         stats, wall = runner.run(
             closed_loop(
-                urls, raws, args.concurrency, args.warmup, args.duration, (edge("0"), edge("1"))
+                urls, makers, args.concurrency, args.warmup, args.duration, (edge("0"), edge("1"))
             )
         )
     done = max(1, stats.ok)
