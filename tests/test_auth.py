@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import socket
 from pathlib import Path
 
 import pytest
@@ -339,3 +340,34 @@ def test_keyed_peer_pull_and_pd_through_the_router(tokenizer):
         assert json.loads(raw)["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         assert fleet.bundles[0].faults.num_requests == 2  # the peer's own and the prefill leg
         assert not fleet.bundles[0].engine.core.held.held  # read with the transfer's token
+
+
+def raw_answer(url: str, data: bytes, whole: bool = False) -> bytes:
+    """What the server answers to data: up to the end of the first head, or (``whole``) all
+    it sends until it closes."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(data)
+        out = b""
+        while (whole or b"\r\n\r\n" not in out) and (chunk := sock.recv(65536)):
+            out += chunk
+        return out
+
+
+def test_100_continue_only_once_the_key_is_checked_and_no_key_is_echoed(tokenizer):
+    post = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+    wait = b"Expect: 100-continue\r\n\r\n"
+    secret = "sk-SECRET-never-echoed"
+    malformed = post + f"Authorization: Bearer {secret}\x01\r\n\r\n{{}}".encode()
+    with contextlib.ExitStack() as stack:
+        engine = stack.enter_context(emulated_fleet(tokenizer, engine={"api_key": KEY}))[0][0]
+        router = stack.enter_context(routed(tokenizer, {"api_key": KEY}, api_key=KEY))
+        for url in (engine, router):
+            refused = raw_answer(url, post + b"Authorization: Bearer wrong\r\n" + wait)
+            assert refused.startswith(b"HTTP/1.1 401"), refused
+            assert raw_answer(url, post + f"Authorization: Bearer {KEY}\r\n".encode() + wait) == (
+                b"HTTP/1.1 100 Continue\r\n\r\n"
+            )
+            answer = raw_answer(url, malformed, whole=True).decode("latin-1")
+            assert " 400 " in answer.split("\r\n")[0] and secret not in answer
+            assert json.loads(answer.partition("\r\n\r\n")[2])["error"]["code"] == 400

@@ -19,7 +19,7 @@ from tests.helpers import loop_thread
 
 MAX_BODY = 1000
 TIMEOUT = 10.0  # generous socket timeout: a hang fails the test, never a slow machine
-ERRORS = (400, 408, 413, 431)
+ERRORS = (400, 408, 413, 415, 431)
 
 
 class Echo:
@@ -117,6 +117,7 @@ MALFORMED = {
     "obs-fold": (HEAD + b"X-A: a\r\n  folded\r\nContent-Length: 0\r\n\r\n", 400),
     "xchunked": (HEAD + b"Transfer-Encoding: xchunked\r\n\r\n0\r\n\r\n", 400),
     "gzip, chunked": (HEAD + b"Transfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n", 400),
+    "gzip body": (HEAD + b"Content-Encoding: gzip\r\nContent-Length: 2\r\n\r\n{}", 415),
     "negative Content-Length": (HEAD + b"Content-Length: -1\r\n\r\n", 400),
     "two Content-Length": (HEAD + b"Content-Length: 1\r\nContent-Length: 1\r\n\r\nx", 400),
     "two Host": (b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400),

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from kvmesh.engine.http_guard import Gate, error_response
 from kvmesh.protocol.auth import (
     CHALLENGE,
     UNAUTHORIZED,
@@ -78,20 +79,40 @@ def check_kv_transfer(
     require(key, authorization)
 
 
+def check(keys: EngineKeys, request: web.BaseRequest) -> None:
+    """Raise the 401 or 403 the request's credential earns; return if it may pass. Neither the
+    answer nor anything logged here quotes the Authorization header."""
+    path, auth = request.path, request.headers.get("Authorization")
+    if path.startswith(KV_TRANSFER_PREFIX):
+        check_kv_transfer(keys.kv_transfer, request.method, path, auth, request.remote)
+    elif request.method == "OPTIONS":  # CORS preflights carry no credential (as vLLM)
+        pass
+    elif keys.admin is not None and is_admin_path(path):
+        require(keys.admin, auth)
+    elif keys.api is not None and is_api_path(path):
+        require(keys.api, auth)
+
+
 def auth_middleware(keys: EngineKeys):
     """Checks a request's credential before any other work (peer pulls, faults, parsing)."""
 
     @web.middleware
-    async def check(request: web.Request, handler):
-        path, auth = request.path, request.headers.get("Authorization")
-        if path.startswith(KV_TRANSFER_PREFIX):
-            check_kv_transfer(keys.kv_transfer, request.method, path, auth, request.remote)
-        elif request.method == "OPTIONS":  # CORS preflights carry no credential (as vLLM)
-            pass
-        elif keys.admin is not None and is_admin_path(path):
-            require(keys.admin, auth)
-        elif keys.api is not None and is_api_path(path):
-            require(keys.api, auth)
+    async def checked(request: web.Request, handler):
+        check(keys, request)
         return await handler(request)
 
-    return check
+    return checked
+
+
+def expect_gate(keys: EngineKeys) -> Gate:
+    """The credential check for a request that waits for `100 Continue` (engine.http_guard):
+    its refusal, sent instead of 100 Continue, or None."""
+
+    def gate(request: web.BaseRequest) -> web.StreamResponse | None:
+        try:
+            check(keys, request)
+        except APIError as exc:
+            return error_response(exc.status, exc.message, exc.headers)
+        return None
+
+    return gate

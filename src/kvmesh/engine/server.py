@@ -12,8 +12,9 @@ import time
 from aiohttp import web
 
 from kvmesh.engine import openai_routes, shm_transfer
-from kvmesh.engine.auth import EngineKeys, auth_middleware
+from kvmesh.engine.auth import EngineKeys, auth_middleware, expect_gate
 from kvmesh.engine.builder import EngineBundle
+from kvmesh.engine.http_guard import GuardedRunner, RequestReadTimeout
 from kvmesh.engine.peer import BLOCKS_ROUTE, PeerPuller, parse_allowlist
 from kvmesh.protocol.openai import (
     TOO_DEEP,
@@ -45,7 +46,10 @@ async def error_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except APIError as exc:
-        return _json(exc.body(), exc.status, exc.headers)
+        resp = _json(exc.body(), exc.status, exc.headers)
+        if isinstance(exc, RequestReadTimeout):  # the rest of the body will not be read
+            resp.force_close()
+        return resp
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -257,8 +261,8 @@ def build_app(bundle: EngineBundle) -> web.Application:
 
 
 async def start_server(bundle: EngineBundle, host: str, port: int) -> web.AppRunner:
-    """Start serving in the running loop; handlers are cancelled when their client goes away."""
-    runner = web.AppRunner(build_app(bundle), handler_cancellation=True, access_log=None)
+    """Start serving in the running loop, by the front-door rules of engine.http_guard."""
+    runner = GuardedRunner(build_app(bundle), gate=expect_gate(EngineKeys.of(bundle.config)))
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     port = runner.addresses[0][1]

@@ -17,6 +17,7 @@ ADMIN_KEY_ENV = "KVMESH_ADMIN_API_KEY"
 KV_TRANSFER_KEY_ENV = "KVMESH_KV_TRANSFER_API_KEY"
 UNAUTHORIZED = "Unauthorized: send a valid key as `Authorization: Bearer <key>`."
 CHALLENGE = {"WWW-Authenticate": "Bearer"}
+CHALLENGE_LINE = "WWW-Authenticate: Bearer\r\n"  # the same, as a raw header line
 
 
 def env_key(value: str | None, env: str) -> str | None:

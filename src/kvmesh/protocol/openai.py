@@ -116,9 +116,14 @@ class APIError(Exception):
         404: "NotFoundError",
         413: "RequestEntityTooLarge",
         405: "MethodNotAllowed",
+        408: "RequestTimeoutError",
+        415: "UnsupportedMediaTypeError",
+        417: "ExpectationFailedError",
         429: "RateLimitError",
+        431: "RequestHeaderFieldsTooLargeError",
         500: "InternalServerError",
         503: "ServiceUnavailableError",
+        505: "HTTPVersionNotSupportedError",
     }
 
     def __init__(

@@ -11,7 +11,13 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from kvmesh.protocol.auth import bearer, validate_key
+from kvmesh.protocol.auth import (
+    CHALLENGE_LINE,
+    UNAUTHORIZED,
+    bearer,
+    bearer_matches,
+    validate_key,
+)
 from kvmesh.router import handlers
 from kvmesh.router.approx_index import ApproximateIndex
 from kvmesh.router.block_size import EngineBlockSize
@@ -302,6 +308,19 @@ class Router:
 
     def handle(self, door: FrontDoor, request: Request) -> handlers.Work | None:
         return handlers.handle(self, door, request)  # the front door's Handler
+
+    def key_refused(self, path: str, headers: dict[str, str]) -> bool:
+        """Whether a request lacks the key its path needs (as vLLM: /v1/* only, when set)."""
+        key = self.config.api_key
+        return (
+            bool(key)
+            and path.startswith("/v1")
+            and not bearer_matches(headers.get("authorization"), key)
+        )
+
+    def continue_gate(self, path: str, headers: dict[str, str]) -> tuple[int, str, str] | None:
+        """The front door's Gate: no `100 Continue` for a request without its key."""
+        return (401, UNAUTHORIZED, CHALLENGE_LINE) if self.key_refused(path, headers) else None
 
     def scheduling_request(
         self, body: bytes, path: str, headers: dict[str, str]

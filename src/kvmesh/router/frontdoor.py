@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
+from kvmesh.protocol.http_limits import REQUEST_READ_TIMEOUT_S
 from kvmesh.protocol.openai import error_body
 from kvmesh.router.proxy import nodelay
 from kvmesh.router.request_reader import Request, RequestReader
@@ -25,6 +26,7 @@ logger = logging.getLogger(__name__)
 LINGER = 2.0  # seconds an answered bad connection drops the client's bytes before closing
 _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
             405: "Method Not Allowed", 408: "Request Timeout", 413: "Payload Too Large",
+            415: "Unsupported Media Type",
             431: "Request Header Fields Too Large", 500: "Internal Server Error",
             503: "Service Unavailable"}  # fmt: skip
 
@@ -38,22 +40,27 @@ class Serving(Protocol):
 # a handler answers at once (None), or takes the request over on callbacks (None, having set
 # the door's ``task``; it calls door.finish() once done), or returns the coroutine that serves it
 Handler = Callable[["FrontDoor", Request], "Coroutine[Any, Any, None] | None"]
+# before `100 Continue`: (status, message, extra header lines) to answer instead, or None; it is
+# given the request's path and headers (lower-case names)
+Gate = Callable[[str, dict[str, str]], "tuple[int, str, str] | None"]
 
 
 class FrontDoor(RequestReader, asyncio.Protocol):
     """One client connection. Invariants: at most one request is served at a time (``task``,
     None when none); ``queue`` holds the requests read in full behind it (reading pauses while
-    one waits), and an error to answer, (status, message), is its last item; once ``stopped``
-    no byte is parsed again. The client's EOF closes the connection, which cancels ``task``."""
+    one waits), and an error to answer, (status, message, extra header lines), is its last
+    item; once ``stopped`` no byte is parsed again. The client's EOF closes the connection,
+    which cancels ``task``."""
 
     def __init__(
         self,
         handler: Handler,
         max_body: int,
         doors: set[FrontDoor],
-        request_timeout: float = 30.0,
+        request_timeout: float = REQUEST_READ_TIMEOUT_S,
+        gate: Gate | None = None,
     ) -> None:
-        self.handler, self.doors = handler, doors
+        self.handler, self.doors, self.gate = handler, doors, gate
         self.request_timeout = request_timeout
         self.transport: asyncio.Transport | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -136,7 +143,13 @@ class FrontDoor(RequestReader, asyncio.Protocol):
                 self.timer = self.loop.call_later(self.request_timeout, self._timed_out)
         if self._expect and not self.stopped:
             self._expect = False
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            path = self._url.decode("latin-1").partition("?")[0]
+            refusal = self.gate(path, self._headers) if self.gate is not None else None
+            if refusal is None:
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            else:  # never invite a body the request may not send
+                self._fail(*refusal)
+                self._next()
 
     def finish(self) -> None:
         """The request in progress is answered: on to the next."""

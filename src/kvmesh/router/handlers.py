@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from kvmesh.protocol.auth import UNAUTHORIZED, bearer_matches
+from kvmesh.protocol.auth import CHALLENGE_LINE, UNAUTHORIZED
 from kvmesh.protocol.openai import APIError
 from kvmesh.router import forward_load
 from kvmesh.router.forward import ANSWERED, RETRY, STALE, Forward, attempt
@@ -45,9 +45,8 @@ def handle(router: Router, door: FrontDoor, request: Request) -> Work | None:
     """Serve request. None: it is answered, or being answered on callbacks (the door's ``task``
     is then the Forward, which calls door.finish()); else the coroutine that serves it."""
     path, method = request.path, request.method
-    key, auth = router.config.api_key, request.headers.get("authorization")
-    if key and path.startswith("/v1") and not bearer_matches(auth, key):  # as vLLM: /v1/* only
-        return door.respond_error(401, UNAUTHORIZED, "WWW-Authenticate: Bearer\r\n")
+    if router.key_refused(path, request.headers):
+        return door.respond_error(401, UNAUTHORIZED, CHALLENGE_LINE)
     if path in INFERENCE_PATHS:
         if method != "POST":
             return door.respond_error(405, f"{method} is not allowed on {path}.")

@@ -7,6 +7,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
+from kvmesh.protocol.http_limits import IDLE_TIMEOUT_S, REQUEST_READ_TIMEOUT_S
 from kvmesh.router.frontdoor import FrontDoor
 
 
@@ -44,15 +45,16 @@ async def serve(
     host: str,
     port: int,
     max_body: int,
-    idle_timeout: float = 75.0,
-    request_timeout: float = 30.0,
+    idle_timeout: float = IDLE_TIMEOUT_S,
+    request_timeout: float = REQUEST_READ_TIMEOUT_S,
 ) -> RouterServer:
     """Listen on host:port; each connection's requests go to router.handle. A request started
     but not read in full within request_timeout seconds is answered 408."""
     doors: set[FrontDoor] = set()
+    gate = getattr(router, "continue_gate", None)  # before 100 Continue (a Router's: the key)
     loop = asyncio.get_running_loop()
     server = await loop.create_server(
-        lambda: FrontDoor(router.handle, max_body, doors, request_timeout),
+        lambda: FrontDoor(router.handle, max_body, doors, request_timeout, gate),
         host,
         port,
         backlog=1024,

@@ -11,10 +11,16 @@ from dataclasses import dataclass
 
 import httptools
 
+from kvmesh.protocol.http_limits import (
+    COMPRESSED_BODY,
+    HEAD_TOO_LARGE,
+    MAX_HEADER_LINES,
+    UNSUPPORTED_TRANSFER_CODING,
+)
 from kvmesh.router.proxy import MAX_HEAD
 
 logger = logging.getLogger(__name__)
-MAX_HEADERS = 100  # header (and trailer) lines per request
+MAX_HEADERS = MAX_HEADER_LINES  # header (and trailer) lines per request
 _MAX_RAW = 2 * MAX_HEADERS  # names and values
 _UNIQUE = frozenset(("content-length", "host"))  # a second one is a smuggling attempt
 
@@ -39,14 +45,14 @@ class _Reject(Exception):
 
 class RequestReader:
     """The reading half of a front door (router.frontdoor). Invariants: ``queue`` holds the
-    requests read in full, and an error to answer, (status, message), is its last item; once
-    ``stopped`` no byte is parsed again. ``timer``: the deadline of the message in progress
-    (the front door sets it), cancelled once the message is in or failed."""
+    requests read in full, and an error to answer, (status, message, extra header lines), is its
+    last item; once ``stopped`` no byte is parsed again. ``timer``: the deadline of the message
+    in progress (the front door sets it), cancelled once the message is in or failed."""
 
     def __init__(self, max_body: int) -> None:
         self.max_body = max_body
         self.parser = httptools.HttpRequestParser(self)
-        self.queue: deque[Request | tuple[int, str]] = deque()
+        self.queue: deque[Request | tuple[int, str, str]] = deque()
         self.stopped = False  # an error or the last request was read
         self.timer: asyncio.TimerHandle | None = None  # the deadline of the message in progress
         # the message in progress (on_message_begin resets it)
@@ -76,7 +82,7 @@ class RequestReader:
             if not self.stopped:  # else: bytes after the last request, dropped
                 self._fail(400, f"Malformed HTTP request: {exc}.")
         if not self.stopped and self._in_head and self._head_reads > MAX_HEAD:
-            self._fail(431, "Request header fields too large.")
+            self._fail(431, HEAD_TOO_LARGE)
 
     # ---- httptools callbacks: they run inside feed_data ---------------------------------------
     def on_message_begin(self) -> None:
@@ -96,12 +102,12 @@ class RequestReader:
             size = self._head_size = self._head_size + len(name) + len(value) + 4
             lines = self._lines = self._lines + 1
             if size > MAX_HEAD or lines > MAX_HEADERS:
-                raise _Reject(431, "Request header fields too large.")
+                raise _Reject(431, HEAD_TOO_LARGE)
             return
         raw = self._raw  # names and values, in turn: decoded together once the head ends
         raw += (name, value)
         if len(raw) > _MAX_RAW:
-            raise _Reject(431, "Request header fields too large.")
+            raise _Reject(431, HEAD_TOO_LARGE)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
@@ -109,7 +115,7 @@ class RequestReader:
         n = self._lines = len(raw) // 2
         size = self._head_size = self._head_size + sum(map(len, raw)) + 4 * n
         if size > MAX_HEAD:
-            raise _Reject(431, "Request header fields too large.")
+            raise _Reject(431, HEAD_TOO_LARGE)
         headers = self._headers = _decoded(raw, n)
         parser = self.parser
         if parser.should_upgrade():
@@ -118,7 +124,10 @@ class RequestReader:
             raise _Reject(400, "Unsupported HTTP version.")
         coding = headers.get("transfer-encoding")
         if coding is not None and coding.lower() != "chunked":
-            raise _Reject(400, "Unsupported Transfer-Encoding: only chunked is accepted.")
+            raise _Reject(400, UNSUPPORTED_TRANSFER_CODING)
+        coding = headers.get("content-encoding")
+        if coding is not None and coding.strip().lower() not in ("identity", ""):
+            raise _Reject(415, COMPRESSED_BODY)
         length = headers.get("content-length")
         if length is not None and int(length) > self.max_body:  # llhttp checked the digits
             raise _Reject(413, f"Request body larger than {self.max_body} bytes.")
@@ -145,12 +154,13 @@ class RequestReader:
         if not keep:
             self.stopped = True  # llhttp reads nothing after a closing request
 
-    def _fail(self, status: int, message: str) -> None:
-        """Stop reading; answer status after the requests already queued, then close."""
+    def _fail(self, status: int, message: str, extra: str = "") -> None:
+        """Stop reading; answer status (with ``extra`` header lines) after the requests already
+        queued, then close."""
         self.stopped = True
         self._in_message = self._in_head = self._expect = False
         self._cancel_timer()
-        self.queue.append((status, message))
+        self.queue.append((status, message, extra))
 
     def _cancel_timer(self) -> None:
         if self.timer is not None:

@@ -20,9 +20,11 @@ from multiprocessing.connection import wait as wait_any
 
 from aiohttp import web
 
+from kvmesh.engine.auth import EngineKeys, expect_gate
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.dp.frontdoor import FrontDoor
 from kvmesh.engine.dp.rank import RankSpec, rank_config, rank_main
+from kvmesh.engine.http_guard import GuardedRunner
 
 logger = logging.getLogger(__name__)
 FAIL_GRACE_S = 1.0  # error responses reach clients before the server goes
@@ -120,7 +122,8 @@ class Launcher:
         self.done = loop.create_future()
         stop = asyncio.ensure_future(wait_for_shutdown())
         stop.add_done_callback(lambda _: self._finish(0))
-        runner = web.AppRunner(self.door.build_app(), handler_cancellation=True, access_log=None)
+        gate = expect_gate(EngineKeys.of(self.config))  # the ranks check the key again
+        runner = GuardedRunner(self.door.build_app(), gate=gate)
         await runner.setup()
         try:
             try:

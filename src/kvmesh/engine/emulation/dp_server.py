@@ -25,12 +25,14 @@ from dataclasses import replace
 from aiohttp import web
 from prometheus_client import Counter, Gauge
 
+from kvmesh.engine.auth import EngineKeys, expect_gate
 from kvmesh.engine.builder import EngineBundle
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.dp.frontdoor import FrontDoor
 from kvmesh.engine.emulation.builder import EmulationConfig, build_emulated_engine
 from kvmesh.engine.emulation.dp_clock import GroupClock, GroupCost, SlowestRank, StepRecord
 from kvmesh.engine.emulation.latency import ACCELERATORS, MODELS
+from kvmesh.engine.http_guard import GuardedRunner
 
 logger = logging.getLogger(__name__)
 RANK_HOST = "127.0.0.1"  # ranks serve on private loopback ports, reached through the front door
@@ -113,7 +115,8 @@ class EmulatedDataParallel:
             self.door.mark_ready(rank, f"http://{RANK_HOST}:{runner.addresses[0][1]}")
             if bundle.faults is not None and bundle.faults.config.crash_after:
                 self._watchers.append(asyncio.create_task(self._crash_on_fault(rank)))
-        door = web.AppRunner(self.door.build_app(), handler_cancellation=True, access_log=None)
+        gate = expect_gate(EngineKeys.of(self.bundles[0].config))  # the ranks check the key again
+        door = GuardedRunner(self.door.build_app(), gate=gate)
         await door.setup()
         self._door = door
         await web.TCPSite(door, host, port).start()
