@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from kvmesh.engine.core import EngineCore, RequestOutput
@@ -215,22 +215,38 @@ class AsyncEngine:
                 if out.finished:
                     del self._queues[out.request_id]
 
-    def _submit(self, request: Request) -> asyncio.Queue[RequestOutput]:
+    @property
+    def num_waiting(self) -> int:
+        """Requests admitted and not yet running: the scheduler's waiting queue and those not
+        drained into it yet (what vllm:num_requests_waiting reads, and the queue limit)."""
+        return self.core.scheduler.num_waiting + len(self._pending_adds)
+
+    def admit(self, requests: list[Request]) -> list[asyncio.Queue[RequestOutput]]:
+        """Queue all of requests or none: EngineOverloaded when the waiting queue cannot take
+        them all, ValueError for an id in use; each one's outputs come on its queue."""
         if not self.started:
             raise RuntimeError("engine not started")
-        if request.request_id in self._queues:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        waiting = self.core.scheduler.num_waiting + len(self._pending_adds)
-        if waiting >= self.max_waiting_requests:
-            raise EngineOverloaded(f"{waiting} requests are waiting; try again later")
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        ids = [r.request_id for r in requests]
+        for rid in ids:
+            if rid in self._queues:
+                raise ValueError(f"request id {rid!r} is already in use")
+        if len(set(ids)) != len(ids):
+            raise ValueError("the request ids of one call must differ")
+        waiting = self.num_waiting
+        if waiting + len(requests) > self.max_waiting_requests:
+            asked = f"; this request's {len(requests)} would not fit" if len(requests) > 1 else ""
+            raise EngineOverloaded(f"{waiting} requests are waiting{asked}; try again later")
         with self._lock:  # under the lock: _fail drains every add made before it set failed
             if self.failed is not None:
                 raise EngineDead(f"engine stopped: {self.failed}")
-            self._pending_adds.append(request)
-        self._queues[request.request_id] = queue
+            self._pending_adds.extend(requests)
+        queues: list[asyncio.Queue[RequestOutput]] = []
+        for rid in ids:
+            queues.append(asyncio.Queue())
+            self._queues[rid] = queues[-1]
+        self.core.metrics.waiting.set(self.num_waiting)  # true before the next step sets it
         self._notify()
-        return queue
+        return queues
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -239,7 +255,27 @@ class AsyncEngine:
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Yield each step's output until the request finishes; closing early aborts it."""
-        queue = self._submit(request)
+        stream = self._stream(request, self.admit([request])[0])
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()
+
+    def generate_all(self, requests: list[Request]) -> list[AsyncGenerator[RequestOutput, None]]:
+        """``generate`` of each request, all admitted at once or none (``admit``). A stream
+        never iterated leaves its request running: ``release`` ends those."""
+        return [self._stream(r, q) for r, q in zip(requests, self.admit(requests), strict=True)]
+
+    def release(self, requests: list[Request]) -> None:
+        """Abort those of requests still in flight (their streams closed or never read)."""
+        for r in requests:
+            if self._queues.pop(r.request_id, None) is not None:
+                self.abort(r.request_id)
+
+    async def _stream(
+        self, request: Request, queue: asyncio.Queue[RequestOutput]
+    ) -> AsyncGenerator[RequestOutput, None]:
         finished = False
         try:
             while not finished:

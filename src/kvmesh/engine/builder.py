@@ -108,6 +108,7 @@ def assemble(
         engine, tokenizer, name, runner.max_model_len, eos_token_ids, config.max_logprobs
     )
     serving.transfer_key = EngineKeys.of(config).kv_transfer
+    serving.max_choices_per_request = config.max_choices_per_request
     events_dict = msgspec.to_builtins(events_cfg) if events_cfg.enable_kv_cache_events else None
     return EngineBundle(
         config,

@@ -33,6 +33,8 @@ class EngineConfig:
     prefix_caching_hash_algo: str = "sha256"
     scheduling_policy: str = "fcfs"
     max_waiting_requests: int = 1024  # beyond this, new requests get 503 + Retry-After
+    # one request's prompts times n past this: 400 before any is tokenized or queued
+    max_choices_per_request: int = 256
     max_logprobs: int = 20
     # render templates that requests bring (chat_template, chat_template_kwargs.chat_template)
     trust_request_chat_template: bool = False
@@ -79,6 +81,8 @@ class EngineConfig:
             raise ValueError("--max-num-seqs must be at least 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("--max-num-batched-tokens must be at least 1")
+        if self.max_choices_per_request < 1:
+            raise ValueError("--max-choices-per-request must be at least 1")
         if self.prefix_caching_hash_algo not in HASH_ALGOS:
             raise ValueError(f"--prefix-caching-hash-algo must be one of {HASH_ALGOS}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:

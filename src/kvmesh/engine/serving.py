@@ -7,7 +7,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 from kvmesh.engine.async_engine import AsyncEngine, EngineOverloaded
@@ -24,6 +24,7 @@ from kvmesh.protocol.prompt import (
     CompletionPrompt,
     chat_prompt,
     chat_text,
+    check_choices,
     completion_prompt,
     decode_chat,
     decode_completion,
@@ -69,6 +70,7 @@ class OpenAIServing:
         self.max_logprobs = max_logprobs
         self.transfer_key: str | None = None  # the KV-transfer key (builder sets it)
         self.trust_request_chat_template = False  # server.build_app sets it from the config
+        self.max_choices_per_request = 256  # the builder sets it from the config
 
     # ---- input side -------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -112,12 +114,16 @@ class OpenAIServing:
         fields = decode_chat(body)
         trusted = self.trust_request_chat_template
         template = request_template(fields.chat_template, fields.chat_template_kwargs, trusted)
-        return chat_prompt(fields, self.tokenizer, template)
+        chat = chat_prompt(fields, self.tokenizer, template)
+        check_choices(fields, self.max_choices_per_request)
+        return chat
 
-    @staticmethod
-    def parse_completion(body: bytes) -> CompletionPrompt:
-        """A completion body's prompts, checked."""
-        return completion_prompt(decode_completion(body))
+    def parse_completion(self, body: bytes) -> CompletionPrompt:
+        """A completion body's prompts, checked: at most max_choices_per_request of them."""
+        fields = decode_completion(body)
+        prompt = completion_prompt(fields)
+        check_choices(fields, self.max_choices_per_request)
+        return prompt
 
     async def chat_ids(
         self, chat: ChatPrompt, max_tokens: int | None, check: bool = True
@@ -186,30 +192,43 @@ class OpenAIServing:
 
     # ---- running ----------------------------------------------------------------------
     async def run(self, requests: list[Request]) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Yield (choice index, output) from all requests of one API call as they arrive."""
-        if len(requests) == 1:
-            try:
-                async for out in self.engine.generate(requests[0]):
+        """Yield (choice index, output) from all requests of one API call as they arrive. The
+        engine admits them all or none (503, nothing queued) before the first is awaited."""
+        try:
+            streams = self.engine.generate_all(requests)
+        except EngineOverloaded as exc:
+            raise APIError(str(exc), 503, headers={"Retry-After": "1"}) from None
+        merged = self._merged(streams) if len(streams) > 1 else None
+        try:
+            if merged is None:
+                async for out in streams[0]:
                     yield 0, out
-            except EngineOverloaded as exc:
-                raise APIError(str(exc), 503, headers={"Retry-After": "1"}) from None
-            return
+            else:
+                async for item in merged:
+                    yield item
+        finally:  # the streams' own ends abort theirs; release those never read
+            await (merged.aclose() if merged is not None else streams[0].aclose())
+            self.engine.release(requests)
+
+    @staticmethod
+    async def _merged(
+        streams: list[AsyncGenerator[RequestOutput, None]],
+    ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+        """(stream index, output) of each stream's outputs, as they arrive, until all end."""
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(i: int, r: Request) -> None:
+        async def pump(i: int, stream: AsyncGenerator[RequestOutput, None]) -> None:
             try:
-                async for out in self.engine.generate(r):
+                async for out in stream:
                     await queue.put((i, out))
             except BaseException as exc:  # surfaced to the consumer, never swallowed
                 await queue.put((i, exc))
 
-        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
         try:
             done = 0
-            while done < len(requests):
+            while done < len(streams):
                 i, item = await queue.get()
-                if isinstance(item, EngineOverloaded):
-                    raise APIError(str(item), 503, headers={"Retry-After": "1"})
                 if isinstance(item, BaseException):
                     raise item
                 done += item.finished

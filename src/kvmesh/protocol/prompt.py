@@ -63,6 +63,9 @@ class ChatFields(msgspec.Struct, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False  # on top of the template's own (vLLM's default: none)
     cache_salt: str | None = None
+    n: int = 1  # choices asked for (see check_choices)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None  # before max_tokens when both are given
 
 
 class CompletionFields(msgspec.Struct, kw_only=True):
@@ -72,6 +75,8 @@ class CompletionFields(msgspec.Struct, kw_only=True):
     prompt: str | list[Any]
     add_special_tokens: bool = True
     cache_salt: str | None = None
+    n: int = 1  # choices asked for of each prompt (see check_choices)
+    max_tokens: int | None = 16
 
 
 @dataclass(slots=True)
@@ -153,6 +158,31 @@ def completion_prompt(fields: CompletionFields) -> CompletionPrompt:
     except APIError as exc:
         raise PromptError(exc.message, exc.status, exc.param) from None
     return CompletionPrompt(prompts, fields.add_special_tokens, fields.cache_salt)
+
+
+def prompt_count(prompt: str | list[Any]) -> int:
+    """How many prompts a completion's ``prompt`` field holds, from its shape alone (a string
+    or a list of token ids is one); ``completion_prompts`` checks their types."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return 1
+    return len(prompt)
+
+
+def check_choices(fields: ChatFields | CompletionFields, limit: int) -> None:
+    """A request's fan-out (its prompts times ``n``: the choices it would queue) past ``limit``:
+    PromptError, before any prompt is tokenized or queued."""
+    if isinstance(fields, ChatFields):
+        prompts, asked = 1, fields.n
+    else:
+        prompts = prompt_count(fields.prompt)
+        asked = prompts * fields.n
+    if asked > limit:
+        of = f"{prompts} prompts times n={fields.n}" if prompts > 1 else f"n={fields.n}"
+        raise PromptError(
+            f"This request asks for {asked} choices ({of}); at most {limit} are served per "
+            "request. Split it into smaller requests.",
+            param="prompt" if prompts > 1 else "n",
+        )
 
 
 def chat_text(tokenizer: Any, chat: ChatPrompt) -> str:
