@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvmesh.protocol.request_checks import MAX_CHAT_MESSAGES
 from tests import test_router_e2e
 from tests.helpers import http
 from tests.test_router_e2e import stack
@@ -24,6 +25,8 @@ PATHS = ("/v1/completions", "/v1/chat/completions")
 NESTED = b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"
 LOOPS = "{% for i in range(8000) %}{% for j in range(8000) %}x{% endfor %}{% endfor %}"
 HELLO = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+CHOOSE_OTHER = {"type": "function", "function": {"name": "delete_everything"}}
 
 # (path, body): each must get a 4xx with an OpenAI error body from router and engine
 BAD_BODIES: list[tuple[str, bytes]] = [
@@ -52,6 +55,31 @@ BAD_BODIES: list[tuple[str, bytes]] = [
         json.dumps({"messages": HELLO, "chat_template_kwargs": {"chat_template": LOOPS}}).encode(),
     ),
     ("/v1/chat/completions", json.dumps({"messages": HELLO, "chat_template": LOOPS}).encode()),
+    # request ids that cannot go into a header or a log line
+    *[
+        ("/v1/completions", json.dumps({"prompt": "x", "request_id": rid}).encode())
+        for rid in ("a\r\nX-Evil: 1", "a\x00b", "a\nb", "a\x1b[2J", "a\u2028b", "r" * 513)
+    ],
+    # nested past the 64 levels documented, in a field no schema reads
+    *[
+        ("/v1/completions", b'{"prompt": "x", "extra": ' + b"[" * n + b"]" * n + b"}")
+        for n in (64, 100, 300)
+    ],
+    (
+        "/v1/chat/completions",
+        json.dumps({"messages": HELLO, "response_format": {"type": "x"}}).encode(),
+    ),
+    ("/v1/completions", json.dumps({"prompt": "x", "response_format": "json"}).encode()),
+    (
+        "/v1/chat/completions",
+        json.dumps({"messages": [{"role": "kernel", "content": "hi"}]}).encode(),
+    ),
+    (
+        "/v1/chat/completions",
+        json.dumps({"messages": HELLO, "tools": [TOOL], "tool_choice": CHOOSE_OTHER}).encode(),
+    ),
+    ("/v1/chat/completions", json.dumps({"messages": HELLO, "tool_choice": "sometimes"}).encode()),
+    ("/v1/chat/completions", json.dumps({"messages": HELLO * (MAX_CHAT_MESSAGES + 1)}).encode()),
 ]
 
 # raw requests the router's front door must refuse with a 4xx and a closed connection
@@ -71,6 +99,55 @@ BAD_HTTP: list[bytes] = [
     b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n",
     b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(range(64)),  # a TLS hello
 ]
+
+
+# raw requests both servers answer with an OpenAI error body: (bytes, the engine's status)
+POST = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+BODY = b'Content-Length: 15\r\n\r\n{"prompt": "x"}'
+ANSWERED_HTTP: list[tuple[bytes, int]] = [
+    (POST + b"Content-Encoding: gzip\r\n" + BODY, 415),
+    (POST + b"Transfer-Encoding: gzip, chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n", 400),
+    (b"GET /health HTTP/2.0\r\nHost: x\r\n\r\n", 505),
+    (b"GET /health HTTP/0.9\r\n\r\n", 505),
+    (POST + b"Authorization: Bearer sk-SECRET\x01\r\n" + BODY, 400),
+    (POST + b"X-Request-Id: a\x01b\r\n" + BODY, 400),
+    (POST + b"X-Request-Id: a\tb\r\n" + BODY, 400),
+    (POST + "X-Request-Id: é\r\n".encode() + BODY, 400),
+    (POST + b"X-Request-Id: " + b"r" * 513 + b"\r\n" + BODY, 400),
+]
+
+
+def answer_of(url: str, data: bytes) -> bytes:
+    """The server's answer to data, read until it closes (the client does not half-close:
+    aiohttp takes that for a client gone)."""
+    u = urlparse(url)
+    with socket.create_connection((u.hostname, u.port), timeout=30) as s:
+        s.sendall(data.replace(b"\r\n", b"\r\nConnection: close\r\n", 1))
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+        return out
+
+
+@pytest.mark.parametrize("data,status", ANSWERED_HTTP, ids=range(len(ANSWERED_HTTP)))
+def test_unsupported_or_malformed_heads_get_openai_errors_from_both(fleet, data, status):
+    for url in fleet:
+        answer = answer_of(url, data)
+        head, _, body = answer.partition(b"\r\n\r\n")
+        code = int(head.split(b" ", 2)[1])
+        assert code == status or (url == fleet[0] and 400 <= code < 500), answer[:300]
+        assert_error_body(body, code)
+        assert b"SECRET" not in answer
+    assert_healthy(*fleet)
+
+
+def test_a_non_ascii_request_id_comes_back_intact(fleet):
+    for url in fleet:
+        for path, body in (("/v1/completions", {"prompt": "x"}), (PATHS[1], {"messages": HELLO})):
+            code, headers, raw = http(url + path, {**body, "max_tokens": 1, "request_id": "é-1"})
+            assert code == 200, raw[:300]
+            assert json.loads(raw)["id"].endswith("-é-1")
+            assert "Ã" not in headers.get("X-Request-Id", "")
 
 
 def raw_exchange(url: str, data: bytes, timeout: float = 30.0) -> bytes:

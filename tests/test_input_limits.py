@@ -173,8 +173,14 @@ def test_json_nested_too_deeply_gets_400(untrusted, path, body):
 
 def test_the_depth_limit_is_documented_and_exact(untrusted):
     assert MAX_JSON_DEPTH == 64
-    assert not nested_too_deeply(nest(64)) and nested_too_deeply(nest(65))
-    assert not nested_too_deeply([1] * 10_000) and nested_too_deeply({"a": nest(64)})
+
+    def deep(value) -> bool:
+        return nested_too_deeply(json.dumps(value).encode())
+
+    assert not deep(nest(64)) and deep(nest(65))
+    assert not deep([1] * 10_000) and deep({"a": nest(64)})
+    assert not deep({"a": ["[[[[" * 100, '}}]]\\"[{' * 100], "b": {}})  # brackets in strings
+    assert not deep([{}] * 10_000) and deep([1, {"x": [nest(64)]}])
     kwargs = {"x": nest(MAX_JSON_DEPTH - 2)}  # the body and chat_template_kwargs: 2 more
     for url in untrusted[:2]:
         body = {"messages": HELLO, "max_tokens": 1, "chat_template_kwargs": kwargs}

@@ -195,7 +195,8 @@ class GuardedRequestHandler(RequestHandler):
         or of a version other than 1.0 and 1.1, which aiohttp would otherwise serve."""
         start = len(data) - len(data.lstrip(b"\r\n"))
         end = data.find(b"\n", start, start + self.max_line_size)
-        line = _REQUEST_LINE.fullmatch(data[start:end].rstrip(b"\r")) if end >= 0 else None
+        ended = end > start and data[end - 1] == 13  # by CRLF: a bare LF is left to the parser
+        line = _REQUEST_LINE.fullmatch(data[start : end - 1]) if ended else None
         if line is None or line.group(1) in (b"1.1", b"1.0"):
             return False
         version = (line.group(1) or b"0.9").decode()

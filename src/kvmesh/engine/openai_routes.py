@@ -17,6 +17,7 @@ from kvmesh.protocol.openai import (
     encode_json,
     sse_event,
 )
+from kvmesh.protocol.request_checks import request_id_headers
 
 FINGERPRINT = "kvmesh-0.1.0"
 SERVING = web.AppKey("serving", OpenAIServing)
@@ -139,7 +140,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         reqs.append(serving.make_request(base, i, ids, params, req))
         choices.append(Choice(i, ids))
     rid, created, name = f"cmpl-{base}", now_s(), serving.model_name
-    headers = {"X-Request-Id": base}
+    headers = request_id_headers(base)
     await _transfer(serving, reqs[0], req.kv_transfer_params)
 
     def chunk(choice: Choice | None, out) -> dict:
@@ -200,7 +201,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     base = serving.request_id(request.headers, req.request_id)
     reqs, choices = [serving.make_request(base, 0, ids, params, req)], [Choice(0, ids)]
     rid, created, name = f"chatcmpl-{base}", now_s(), serving.model_name
-    headers = {"X-Request-Id": base}
+    headers = request_id_headers(base)
     await _transfer(serving, reqs[0], req.kv_transfer_params)
 
     def chunk(choice: Choice | None, out) -> dict:

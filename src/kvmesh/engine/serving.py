@@ -29,6 +29,7 @@ from kvmesh.protocol.prompt import (
     decode_chat,
     decode_completion,
 )
+from kvmesh.protocol.request_checks import check_request_id
 from kvmesh.protocol.tokenizer import encode, encode_off_loop, min_tokens
 
 _counter = itertools.count()
@@ -239,7 +240,10 @@ class OpenAIServing:
 
     @staticmethod
     def request_id(headers, body_id: str | None) -> str:
-        return body_id or headers.get("X-Request-Id") or uuid.uuid4().hex
+        """The body's id (checked as it was decoded), else X-Request-Id's, else a fresh one."""
+        header = headers.get("X-Request-Id")
+        check_request_id(header, header=True)  # a bad one is refused, even when unused
+        return body_id or header or uuid.uuid4().hex
 
     @staticmethod
     def usage(choices: list[Choice]) -> dict:

@@ -23,6 +23,12 @@ import msgspec
 from kvmesh.protocol.chat_template import PromptError, checked_template_kwargs, render_chat
 from kvmesh.protocol.conversation import conversation, loops_over_content, template_source
 from kvmesh.protocol.openai import APIError, completion_prompts, decode_request
+from kvmesh.protocol.request_checks import (
+    check_messages,
+    check_request_id,
+    check_response_format,
+    check_tool_choice,
+)
 
 S = TypeVar("S", bound=msgspec.Struct)
 Encoder = Callable[[str, bool], list[int]]  # (text, add_special_tokens) -> token ids
@@ -54,6 +60,9 @@ class ChatFields(msgspec.Struct, kw_only=True):
     """The fields of a chat request (or of a /tokenize with messages) that make its prompt."""
 
     model: str | None = None
+    request_id: str | None = None
+    response_format: Any = None  # its type is checked (request_checks), nothing more
+    tool_choice: str | dict[str, Any] | None = None
     messages: list[PromptMessage]
     tools: list[dict[str, Any]] | None = None
     documents: list[dict[str, Any]] | None = None
@@ -72,6 +81,8 @@ class CompletionFields(msgspec.Struct, kw_only=True):
     """The fields of a completion request that make its prompts."""
 
     model: str | None = None
+    request_id: str | None = None
+    response_format: Any = None
     prompt: str | list[Any]
     add_special_tokens: bool = True
     cache_salt: str | None = None
@@ -105,10 +116,17 @@ class CompletionPrompt:
 
 
 def _decode(body: bytes, cls: type[S]) -> S:
+    """Decoded and checked (protocol.request_checks); PromptError."""
     try:
-        return decode_request(body, cls)
+        fields = decode_request(body, cls)
+        check_request_id(fields.request_id)
+        check_response_format(fields.response_format)
+        if isinstance(fields, ChatFields):
+            check_messages(fields.messages)
+            check_tool_choice(fields.tool_choice, fields.tools)
     except APIError as exc:
         raise PromptError(exc.message, exc.status, exc.param) from None
+    return fields
 
 
 def decode_chat(body: bytes) -> ChatFields:

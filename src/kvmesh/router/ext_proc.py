@@ -40,7 +40,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2_grpc import (
 from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.struct_pb2 import Struct
 
-from kvmesh.protocol.auth import UNAUTHORIZED, bearer_matches
+from kvmesh.protocol.auth import CHALLENGE_LINE, UNAUTHORIZED
 from kvmesh.protocol.openai import error_body
 from kvmesh.router import handlers
 from kvmesh.router.pd import prefill_remotely
@@ -152,11 +152,11 @@ class _Stream:
                 h.key.lower(): h.raw_value.decode("latin-1") or h.value
                 for h in http.headers.headers
             }
-            key, path = self.router.config.api_key, self.headers.get(":path", "")
-            if key and path.startswith("/v1") and not bearer_matches(self.auth, key):
-                return immediate(401, UNAUTHORIZED, "WWW-Authenticate: Bearer\r\n")
+            path = self.headers.get(":path", "").partition("?")[0]  # a query is never echoed
+            if self.router.key_refused(path, self.headers):
+                return immediate(401, UNAUTHORIZED, CHALLENGE_LINE)
             method = self.headers.get(":method", "")
-            if path.partition("?")[0] in handlers.INFERENCE_PATHS and method != "POST":
+            if path in handlers.INFERENCE_PATHS and method != "POST":
                 return immediate(405, f"{method} is not allowed on {path}.")
             if http.end_of_stream:  # no body: any endpoint serves it (as GIE's EPP does)
                 return await self._anywhere("request_headers")

@@ -29,6 +29,7 @@ from kvmesh.protocol.prompt import (
     decode_completion,
     prompt_token_ids,
 )
+from kvmesh.protocol.request_checks import check_request_id
 from kvmesh.router.plugins import SchedulingRequest
 
 if TYPE_CHECKING:
@@ -149,5 +150,7 @@ class RequestParser:
             else:  # token ids as given
                 ids = prompt_token_ids(tokens.tokenizer, prompt, first_only=True)[0]
                 keys = tokens.block_keys(ids, cache_salt=salt) if ids else []
-        rid = headers.get("x-request-id") or f"{_ids.getrandbits(128):032x}"
+        rid = headers.get("x-request-id")
+        check_request_id(rid, header=True)  # it goes into the endpoint's head and our logs
+        rid = rid or f"{_ids.getrandbits(128):032x}"
         return SchedulingRequest(rid, fields.model, ids, keys, headers, self.block_size)
