@@ -204,6 +204,38 @@ def test_a_multi_megabyte_prompt_is_refused_without_tokenizing(untrusted, monkey
     assert code == 400 and "maximum context length" in out["error"]["message"]
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", CHAT])
+def test_the_router_refuses_a_prompt_no_endpoint_can_hold_without_tokenizing(
+    untrusted, monkeypatch, path
+):
+    """The router knows its endpoints' max_model_len (GET /v1/models): a prompt whose length
+    alone shows it cannot fit the largest is refused there, never tokenized nor forwarded."""
+    from kvmesh.engine.serving import OpenAIServing
+
+    router = untrusted[2]
+    assert router.model_check.largest_context() == MAX_LEN
+    calls: list[str] = []
+
+    def spy(name: str, real):
+        return lambda *a, **k: calls.append(name) or real(*a, **k)
+
+    tokens = router.tokens
+    for name in ("ids_and_keys", "uncached_ids_and_keys", "encode_completion", "block_keys"):
+        monkeypatch.setattr(tokens, name, spy(name, getattr(tokens, name)))
+    for name in ("parse_completion", "parse_chat"):  # what the engine does first with a request
+        monkeypatch.setattr(OpenAIServing, name, spy(name, getattr(OpenAIServing, name)))
+    text = "lorem ipsum dolor sit amet " * 100_000  # 2.7 MB: at least 33,334 tokens
+    body = {"prompt": text} if path != CHAT else {"messages": [{"role": "user", "content": text}]}
+    code, out = post(untrusted[0], path, {**body, "max_tokens": 1})
+    message = out["error"]["message"]
+    assert code == 400 and f"maximum context length is {MAX_LEN} tokens" in message
+    assert "requested at least" in message
+    assert calls == []  # neither tokenized by the router nor sent to the engine
+    small = {"prompt": "hi"} if path != CHAT else {"messages": HELLO}
+    assert post(untrusted[0], path, {**small, "max_tokens": 1})[0] == 200
+    assert "ids_and_keys" in calls  # (the spies see what the router tokenizes)
+
+
 def test_long_prompts_are_tokenized_off_the_event_loop(untrusted, monkeypatch):
     """Held inside tokenization (a gate), the engine and the router still answer /health: the
     prompt is tokenized on a worker thread. It is then refused as longer than the context."""
@@ -222,9 +254,10 @@ def test_long_prompts_are_tokenized_off_the_event_loop(untrusted, monkeypatch):
 
     monkeypatch.setattr(serving, "encode_off_loop", gate(serving.encode_off_loop))
     monkeypatch.setattr(router.tokens, "ids_and_keys", gate(router.tokens.ids_and_keys))
-    body = {"prompt": "lorem ipsum " * 200_000, "max_tokens": 1}  # 2.4 MB, the router's path
-    short = {"prompt": "lorem ipsum " * 20_000, "max_tokens": 1}  # within the engine's bound
-    for url, prompt in ((untrusted[0], body), (untrusted[1], short)):
+    # 240 kB: within the length bound of both (a longer one is refused untokenized), not the
+    # context: tokenized, then refused by its count
+    short = {"prompt": "lorem ipsum " * 20_000, "max_tokens": 1}
+    for url, prompt in ((untrusted[0], short), (untrusted[1], short)):
         entered.clear()
         release.clear()
         with ThreadPoolExecutor(1) as pool:

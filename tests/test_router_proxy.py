@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import json
 import threading
-import time
 
 import pytest
 
@@ -264,39 +263,51 @@ async def test_expect_continue_and_chunked_request_body(tokenizer) -> None:
     assert out.startswith(b"HTTP/1.1 200") and engine.requests[0][2] == b'{"prompt": "ch"}'
 
 
-async def test_large_prompt_is_tokenized_off_the_event_loop(tokenizer) -> None:
+async def test_a_small_request_passes_a_large_prompt_being_tokenized(tokenizer) -> None:
+    """A large prompt is tokenized on the tokenizer thread, which holds the tokenizer's caches;
+    held there (a gate), the loop answers /health and a small request completes, its prompt
+    encoded on the loop without the caches; once the thread is free, with them again."""
     async with routed(tokenizer, [Engine("ok")], preset="approx-prefix") as (router, port):
-        real, inside, overlaps = router.tokens.ids_and_keys, [], []
-        threads: dict[bool, str] = {}
-        finished = threading.Event()
-        lock = threading.Lock()
+        tokens, seen = router.tokens, []
+        cached, uncached = tokens.ids_and_keys, tokens.uncached_ids_and_keys
+        entered, release = threading.Event(), threading.Event()
 
-        def encode(prompt: str, special: bool, salt: str | None):
-            with lock:
-                inside.append(prompt)
-                overlaps.append(len(inside))
-                name = threading.current_thread().name
-                threads[len(prompt) > 60_000] = name.split("_")[0]
-            if len(prompt) > 60_000:
-                time.sleep(0.5)  # a cold 16k-token prompt, in slow motion
-                finished.set()
-            with lock:
-                inside.pop()
-            return real(prompt, special, salt)
+        def watched(real, how: str):
+            def encode(prompt: str, special: bool, salt: str | None):
+                seen.append((how, len(prompt) > 60_000, threading.current_thread().name))
+                if len(prompt) > 60_000:
+                    entered.set()
+                    assert release.wait(30)
+                return real(prompt, special, salt)
 
-        router.tokens.ids_and_keys = encode
+            return encode
+
+        tokens.ids_and_keys = watched(cached, "cached")
+        tokens.uncached_ids_and_keys = watched(uncached, "uncached")
         big = asyncio.create_task(
             exchange(port, post("/v1/completions", {"prompt": "w " * 40_000}))
         )
-        while not inside:
-            await asyncio.sleep(0.005)
-        health = await exchange(port, b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")
-        assert health.startswith(b"HTTP/1.1 200") and not finished.is_set()  # loop kept serving
-        small = await exchange(port, post("/v1/completions", {"prompt": "small one"}))
-        assert finished.is_set()  # the small request waited for the tokenizer to be free
-        assert small.startswith(b"HTTP/1.1 200") and (await big).startswith(b"HTTP/1.1 200")
-        assert max(overlaps) == 1
-        assert threads == {True: "kvmesh-tokenize", False: threading.main_thread().name}
+        try:
+            assert await asyncio.to_thread(entered.wait, 30)
+            health = await exchange(port, b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")
+            small = asyncio.create_task(
+                exchange(port, post("/v1/completions", {"prompt": "small one"}))
+            )
+            done, _ = await asyncio.wait({small, big}, timeout=30, return_when="FIRST_COMPLETED")
+            assert done == {small}  # answered while the large prompt is still being tokenized
+        finally:
+            release.set()
+        assert health.startswith(b"HTTP/1.1 200") and small.result().startswith(b"HTTP/1.1 200")
+        assert (await big).startswith(b"HTTP/1.1 200")
+        again = await exchange(port, post("/v1/completions", {"prompt": "small two"}))
+        assert again.startswith(b"HTTP/1.1 200")
+        loop_thread = threading.main_thread().name
+        assert seen == [
+            ("cached", True, seen[0][2]),
+            ("uncached", False, loop_thread),  # the thread held the caches: none touched
+            ("cached", False, loop_thread),  # the thread free: the caches again
+        ]
+        assert seen[0][2].startswith("kvmesh-tokenize")
 
 
 async def test_idle_client_connections_are_closed(tokenizer) -> None:

@@ -56,6 +56,8 @@ ROUTER_HELP = {
     "scrape_interval": "Seconds between /metrics scrapes of each endpoint.",
     "max_retries": "Other endpoints tried when one fails before the first byte.",
     "max_body_bytes": "Largest request body accepted.",
+    "max_choices_per_request": "Most choices (prompts times n) one request may ask for; more: "
+    "400 before its prompt is tokenized or forwarded (as the kvmesh engine's flag).",
     "trust_request_chat_template": "Render chat templates that requests bring (`chat_template`, "
     "`chat_template_kwargs.chat_template`) to compute their prefix keys, as vLLM's flag; each "
     "in a sandbox, on a thread, within 2 s. Off: such requests get 400.",

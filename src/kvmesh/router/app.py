@@ -63,6 +63,8 @@ class RouterConfig:
     scrape_interval: float = 0.1
     max_retries: int = 2
     max_body_bytes: int = 32 * 2**20
+    # one request's prompts times n past this: 400 before its prompt is tokenized or forwarded
+    max_choices_per_request: int = 256
     index_capacity: int = 2_000_000
     approx_capacity_per_endpoint: int = 31_250
     # before the first byte an endpoint that is silent too long is left for another; a streaming
@@ -115,6 +117,8 @@ class RouterConfig:
         if self.stream_idle_timeout < 0:
             raise ValueError("--stream-idle-timeout must be 0 (never) or positive")
         self.outlier_detection()  # validates the outlier fields
+        if self.max_choices_per_request < 1:
+            raise ValueError("--max-choices-per-request must be at least 1")
         if self.block_size is not None and self.block_size <= 0:
             raise ValueError(f"--block-size must be positive, got {self.block_size}")
         validate_key("--api-key", self.api_key)
@@ -191,6 +195,8 @@ class Router:
         self.block_size.on_change.append(self._block_size_changed)
         self.pool.metrics = self.metrics
         self.model_check = EngineModelCheck(config, tokenizer, self.pool)
+        self.parser.context_limit = self.model_check.largest_context
+        self.parser.max_choices_per_request = config.max_choices_per_request
         self.session: aiohttp.ClientSession | None = None
         self.events: EventIngest | None = None
         self.warm_until = 0.0  # monotonic: requests wait for the index until then (0: never)

@@ -26,6 +26,20 @@ class BlockKeyStats:
     blocks_reused: int = 0  # block digests taken from the cache
 
 
+@dataclass
+class TokenizerStats(BlockKeyStats):
+    """The router tokenizer's counts (router.tokens), the block keys' among them."""
+
+    encodes: int = 0  # raw text encodes requested
+    exact_hits: int = 0  # whole text found in the cache
+    prefix_hits: int = 0  # cached prefix reused, only a tail encoded
+    full_encodes: int = 0  # encoded from the start (cold, short, or seam check failed)
+    seam_failures: int = 0
+    whole_hits: int = 0  # whole prompt found in the LRU of whole prompts: nothing computed
+    chars_encoded: int = 0  # characters actually passed to the tokenizer
+    uncached: int = 0  # prompts encoded and keyed whole, no cache touched (a thread held them)
+
+
 class _Seq:
     """Block digests (and their event ints) of one hashed token sequence; ``points`` counts the
     span checkpoints leading to it. Blocks of sequences with points > 0 count to the budget."""

@@ -67,6 +67,20 @@ class EngineModelCheck:
         self.session: aiohttp.ClientSession | None = None
         self._running: dict[str, asyncio.Task] = {}  # url -> its check in flight
         self._asked_at: dict[str, float] = {}  # url -> when it last went unanswered
+        # url -> the longest max_model_len its /v1/models cards give, once judged
+        self.context_lengths: dict[str, int] = {}
+
+    def largest_context(self) -> int | None:
+        """The largest max_model_len among the endpoints in rotation: no prompt needing more
+        tokens fits any of them. None when one of them has not said (or none is in rotation)."""
+        most = 0
+        lengths = self.context_lengths
+        for e in self.pool.candidates():
+            n = lengths.get(e.url)
+            if n is None:
+                return None
+            most = n if n > most else most
+        return most or None
 
     async def start(self, session: aiohttp.ClientSession) -> None:
         """The start's check of every endpoint the first scrape reached: EngineModelMismatch
@@ -175,7 +189,14 @@ class EngineModelCheck:
         doc = await self._call("GET", f"{url}/v1/models", None)
         cards = doc.get("data") if isinstance(doc, dict) else None
         if not isinstance(cards, list):
+            self.context_lengths.pop(url, None)
             return None, None
+        lengths = [c.get("max_model_len") for c in cards if isinstance(c, dict)]
+        lengths = [n for n in lengths if isinstance(n, int) and not isinstance(n, bool) and n > 0]
+        if lengths and len(lengths) == len(cards):
+            self.context_lengths[url] = max(lengths)
+        else:  # a card that does not say: no bound from this engine
+            self.context_lengths.pop(url, None)
         ids = [c["id"] for c in cards if isinstance(c, dict) and isinstance(c.get("id"), str)]
         root = cards[0].get("root") if cards and isinstance(cards[0], dict) else None
         return ids, root if isinstance(root, str) and root else None

@@ -40,6 +40,26 @@ def first_difference(a: array, b: array) -> int:
     return ((x & -x).bit_length() - 1) // 8 // a.itemsize  # its lowest set bit's byte, item
 
 
+def offset_cuts(
+    offsets: Sequence[tuple[int, int]], stride: int, base_char: int, base_tok: int
+) -> tuple[list[int], list[int]]:
+    """Cuts about every ``stride`` tokens of a tokenization from its tokens' character offsets,
+    shifted by the bases: (cut characters, cut tokens). A cut before token u is clean when u
+    starts exactly where u-1 ends (tokens holding parts of one character overlap; trimmed
+    offsets leave gaps)."""
+    cut_chars: list[int] = []
+    cut_tokens: list[int] = []
+    n = len(offsets)
+    for t in range(stride, n, stride):
+        for u in range(t, min(t + stride // 2, n)):
+            end = offsets[u - 1][1]
+            if end == offsets[u][0] and end > 0:
+                cut_chars.append(base_char + end)
+                cut_tokens.append(base_tok + u)
+                break
+    return cut_chars, cut_tokens
+
+
 def _common(text: str, start: int, tail: str) -> int:
     """How many leading characters of ``tail`` ``text`` repeats from ``start``: for ASCII (a
     byte per character) the first_difference of their bytes; else a binary search of C-level

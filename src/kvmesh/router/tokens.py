@@ -25,25 +25,13 @@ from array import array
 from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.protocol.hashing import DEFAULT_BLOCK_SIZE, block_hash_to_int
 from kvmesh.protocol.tokenizer import fast_backend, offsets_work, special_affixes
-from kvmesh.router.block_keys import BlockKeyCache, BlockKeyStats
+from kvmesh.router.block_keys import BlockKeyCache, TokenizerStats
 from kvmesh.router.fastbpe import FastBPE
-from kvmesh.router.text_runs import Run, RunStore, first_difference
-
-
-@dataclass
-class TokenizerStats(BlockKeyStats):
-    encodes: int = 0  # raw text encodes requested
-    exact_hits: int = 0  # whole text found in the cache
-    prefix_hits: int = 0  # cached prefix reused, only a tail encoded
-    full_encodes: int = 0  # encoded from the start (cold, short, or seam check failed)
-    seam_failures: int = 0
-    whole_hits: int = 0  # whole prompt found in the LRU of whole prompts: nothing computed
-    chars_encoded: int = 0  # characters actually passed to the tokenizer
+from kvmesh.router.text_runs import Run, RunStore, first_difference, offset_cuts
 
 
 def _first(items: list, n: int) -> list:
@@ -151,6 +139,25 @@ class PromptTokenizer:
         if len(pair[0]) <= self.whole_tokens:
             self._deferred.append((key, pair))
         return pair
+
+    def uncached_ids_and_keys(
+        self, text: str, add_special_tokens: bool, cache_salt: str | None = None
+    ) -> tuple[list[int], list[int]]:
+        """``ids_and_keys``' ids and keys, computed whole without touching a cache but the fast
+        encoder's word cache (safe to share): another thread may hold this tokenizer meanwhile
+        (router.request_parser: a short prompt passing a long one being encoded)."""
+        self.stats.uncached += 1
+        if add_special_tokens and self._specials is not None:
+            pre, post = self._specials
+            ids = pre + self._plain(text, False) + post
+        else:
+            ids = self._plain(text, add_special_tokens)
+        return ids, self.uncached_block_keys(ids, cache_salt)
+
+    def uncached_block_keys(self, token_ids: Sequence[int], cache_salt: str | None) -> list[int]:
+        """``block_keys`` hashed whole, no cache touched (as ``uncached_ids_and_keys``)."""
+        digests = self._keys.hasher.hash_blocks(token_ids, 0, None, cache_salt=cache_salt)
+        return [block_hash_to_int(d) for d in digests]
 
     def settle(self) -> None:
         """Apply the cache entries the last calls made."""
@@ -313,16 +320,4 @@ class PromptTokenizer:
         else:
             enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
             ids, offsets = enc["input_ids"], enc["offset_mapping"]
-        cut_chars: list[int] = []
-        cut_tokens: list[int] = []
-        stride, n = self.cut_stride, len(ids)
-        for t in range(stride, n, stride):
-            # A cut before token u is clean when u starts exactly where u-1 ends (tokens holding
-            # parts of one character overlap; trimmed offsets leave gaps).
-            for u in range(t, min(t + stride // 2, n)):
-                end = offsets[u - 1][1]
-                if end == offsets[u][0] and end > 0:
-                    cut_chars.append(base_char + end)
-                    cut_tokens.append(base_tok + u)
-                    break
-        return ids, (cut_chars, cut_tokens)
+        return ids, offset_cuts(offsets, self.cut_stride, base_char, base_tok)
