@@ -48,6 +48,13 @@ def test_below_the_threshold_every_endpoint_that_answers_is_routed_to() -> None:
     assert b"kvmesh_router_healthy_panic 0.0" in pool.metrics.render()
 
 
+def test_no_panic_when_it_would_add_no_endpoint() -> None:
+    eps, pool = fleet_of(2)
+    for e in eps:
+        pool.unreachable(e)  # both refuse: nothing to spread over
+    assert pool.candidates() == [] and not pool.panic
+
+
 def test_a_threshold_of_0_never_panics() -> None:
     eps, pool = fleet_of(2, panic=0.0)
     pool.request_failed(eps[0], "5xx")

@@ -47,8 +47,8 @@ class OutlierDetection:
         """(the endpoints requests may go to, whether the fleet is in panic). The fleet: the
         endpoints of the router's block size and model. In rotation: the healthy and not
         ejected. In panic (fewer of those than healthy_panic_threshold percent of the fleet):
-        also the ejected and those whose checks timed out; never one that refused
-        connections, whose requests could only fail."""
+        also the ejected and those whose checks timed out (no panic when that adds none);
+        never one that refused connections, whose requests could only fail."""
         fleet, routable = [], []
         for e in endpoints:
             if not (e.block_size_mismatch or e.model_mismatch):
@@ -57,7 +57,8 @@ class OutlierDetection:
                     routable.append(e)
         if len(routable) * 100 >= self.healthy_panic_threshold * len(fleet):
             return routable, False
-        return [e for e in fleet if e.healthy or e.timed_out], True
+        spread = [e for e in fleet if e.healthy or e.timed_out]
+        return (spread, True) if len(spread) > len(routable) else (routable, False)
 
     def request_failed(self, e: Endpoint, fleet: Collection[Endpoint], now: float) -> float:
         """Count a failed request at e (one of fleet); eject e when that made consecutive_errors
