@@ -66,29 +66,33 @@ def test_up_starts_serve_and_router_with_its_flags_and_keys_by_environment(monke
 
 def test_up_says_what_it_waits_for_while_children_start(monkeypatch, capsys):
     """While the engines load, a line at least every WAITING_EVERY_S says how many answer;
-    then one when they all do, one as the router starts, one when it answers."""
+    then one when they all do, one as the router starts, one when it answers. The engine
+    answers from its third look on; the router stops `up` once it said ready."""
     import sys
-    import time
 
-    from kvmesh.commands import up
+    from kvmesh.commands import up, up_ports, up_supervisor
+    from tests.test_up_supervisor import IGNORES_SIGTERM, SLEEP, _model_name_then_mark
 
-    healthy_from = time.monotonic() + 0.5
-    # the router child asks `up` (its parent) to stop once started, as a user would
-    stops_up = "import os, signal, time; time.sleep(0.3); os.kill(os.getppid(), signal.SIGTERM)"
-    sleeps = "import time; time.sleep(60)"
-    monkeypatch.setattr(up, "engine_command", lambda *a: [sys.executable, "-c", sleeps])
-    monkeypatch.setattr(
-        up, "router_command", lambda *a: [sys.executable, "-c", stops_up + ";" + sleeps]
-    )
-    monkeypatch.setattr(up, "_healthy", lambda url: time.monotonic() >= healthy_from)
-    monkeypatch.setattr(up, "_model_name", lambda url, key: "m")
-    monkeypatch.setattr(up, "WAITING_EVERY_S", 0.1)
-    monkeypatch.setattr(up, "GRACE_S", 0.5)
+    looks: list[str] = []
+
+    def healthy(url: str) -> bool:
+        looks.append(url)
+        return url.endswith(":9400") or looks.count(url) >= 3  # the router's: at once
+
+    monkeypatch.setattr(up, "engine_command", lambda *a: [sys.executable, "-c", SLEEP])
+    monkeypatch.setattr(up, "router_command", lambda *a: [sys.executable, "-c", IGNORES_SIGTERM])
+    monkeypatch.setattr(up_supervisor, "_healthy", healthy)
+    monkeypatch.setattr(up_supervisor, "_listens", lambda pid, port: True)
+    monkeypatch.setattr(up_ports, "taken", lambda host, ports: [])  # fixed ports, never bound
+    monkeypatch.setattr(up, "_model_name", _model_name_then_mark)
+    monkeypatch.setattr(up_supervisor, "WAITING_EVERY_S", 0.0)  # a line at every look
+    monkeypatch.setattr(up_supervisor, "GRACE_S", 0.5)
     args = build_parser().parse_args(["up", "--port", "9400"])
     assert up.run_up(_engine_config(args), None, args) == 0
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if line.startswith("kvmesh")]
-    assert "kvmesh up: waiting for the engine: 0 of 1 answer /health after 0 s" in lines
+    waiting = "kvmesh up: waiting for the engine: 0 of 1 answer /health after "
+    assert sum(line.startswith(waiting) for line in lines) == 2  # the two looks it failed
     order = [
         "kvmesh up: starting the engine",
         "kvmesh up: waiting for the engine",

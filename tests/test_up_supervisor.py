@@ -1,6 +1,7 @@
 """`kvmesh up` supervises its engine and router processes: it forwards SIGTERM, kills a child
-that outlives the grace period, stops the others and exits non-zero when a child dies, and
-leaves no process behind. The quick tests run stand-in children; the slow one the real stack."""
+that outlives the grace period, stops the others and exits non-zero when a child dies (with
+--no-restart-children; restarts: test_up_restarts), and leaves no process behind. The quick
+tests run stand-in children; the slow one the real stack."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import urllib.request
 import pytest
 
 from kvmesh.cli import build_parser
-from kvmesh.commands import up
+from kvmesh.commands import up, up_supervisor
 from kvmesh.commands.serve import _engine_config
 
 SLEEP = "import time; time.sleep(60)"
@@ -41,38 +42,47 @@ def _model_name_then_mark(url: str, key: str | None) -> str:
     return "m"
 
 
-class Recorded(up.Stack):
-    last: up.Stack | None = None
+class Recorded(up_supervisor.Stack):
+    last: up_supervisor.Stack | None = None
 
-    def __init__(self, env) -> None:
-        super().__init__(env)
+    def __init__(self, env, policy=None) -> None:
+        super().__init__(env, policy)
         Recorded.last = self
 
 
 def run_with(
-    monkeypatch, engine: str, router: str, healthy: bool = True, port: str = "9300"
+    monkeypatch,
+    engine: str,
+    router: str,
+    healthy: bool = True,
+    port: str = "0",
+    flags: tuple[str, ...] = (),
 ) -> int:
+    """`kvmesh up` with stand-in children, whose /health answers are ``healthy`` (from their
+    own port: not asked)."""
     monkeypatch.setattr(up, "engine_command", lambda *a: [sys.executable, "-c", engine])
     monkeypatch.setattr(up, "router_command", lambda *a: [sys.executable, "-c", router])
-    monkeypatch.setattr(up, "_healthy", lambda url: healthy)
+    monkeypatch.setattr(up_supervisor, "_healthy", lambda url: healthy)
+    monkeypatch.setattr(up_supervisor, "_listens", lambda pid, port: True)
     with contextlib.suppress(FileNotFoundError):  # a mark no engine consumed
         os.remove(READY_MARK)
     monkeypatch.setattr(up, "_model_name", _model_name_then_mark)
-    monkeypatch.setattr(up, "GRACE_S", 0.5)
+    monkeypatch.setattr(up_supervisor, "GRACE_S", 0.5)
     monkeypatch.setattr(up, "Stack", Recorded)
-    args = build_parser().parse_args(["up", "--port", port])
+    Recorded.last = None
+    args = build_parser().parse_args(["up", "--port", port, *flags])
     return up.run_up(_engine_config(args), None, args)
 
 
 def children_gone() -> dict[str, int | None]:
     assert Recorded.last is not None
-    return {name: child.poll() for name, child in Recorded.last.children.items()}
+    return {name: child.proc.poll() for name, child in Recorded.last.children.items()}
 
 
 def test_sigterm_is_forwarded_and_a_child_that_ignores_it_is_killed(monkeypatch, capsys):
     assert run_with(monkeypatch, IGNORES_SIGTERM, SLEEP) == 0
     assert children_gone() == {"engine": -signal.SIGKILL, "router": -signal.SIGTERM}
-    assert "kvmesh ready: http://127.0.0.1:9300/v1 (router; model m;" in capsys.readouterr().out
+    assert "/v1 (router; model m; engine http://127.0.0.1:" in capsys.readouterr().out
     assert signal.getsignal(signal.SIGTERM) is not Recorded.last.on_signal  # handlers restored
 
 
@@ -89,9 +99,12 @@ def test_port_0_puts_router_and_engines_on_a_run_of_free_ports(monkeypatch, caps
             s.bind(("127.0.0.1", port))
 
 
-def test_a_child_that_dies_stops_the_others_and_up_exits_with_its_code(monkeypatch, capsys):
-    dies = "import sys, time; time.sleep(0.3); sys.exit(3)"
-    assert run_with(monkeypatch, SLEEP, dies) == 3
+def test_without_restarts_a_child_that_dies_stops_the_others_and_up_exits_with_its_code(
+    monkeypatch, capsys
+):
+    dies = f"import os, sys, time\nwhile not os.path.exists({READY_MARK!r}): time.sleep(0.02)\n"
+    dies += f"os.remove({READY_MARK!r}); sys.exit(3)"
+    assert run_with(monkeypatch, SLEEP, dies, flags=("--no-restart-children",)) == 3
     assert children_gone() == {"engine": -signal.SIGTERM, "router": 3}
     assert "the router exited with code 3" in capsys.readouterr().err
 

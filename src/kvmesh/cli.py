@@ -128,6 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
             )
             helps = {k: ROUTER_HELP[k] for k in UP_ROUTER_FLAGS}
             add_dataclass_args(routing, RouterConfig, helps)
+            from kvmesh.commands.up_supervisor import RESTART_HELP, RestartPolicy
+
+            restarts = p.add_argument_group(
+                "restarts",
+                "A child (engine or router process) that exits once the stack is ready is "
+                "restarted with exponential back-off; a crash loop stops `up`.",
+            )
+            add_dataclass_args(restarts, RestartPolicy, RESTART_HELP)
         p.set_defaults(func=cmd_serve)
 
     rp = sub.add_parser(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 
 from kvmesh.commands.flags import config_from_args
@@ -163,6 +164,11 @@ def cmd_router(args: argparse.Namespace) -> int:
             router, runner = await start_router_from(config, args.host, args.port)
         except (BlockSizeMismatch, EngineModelMismatch, K8sDiscoveryError) as exc:
             refused.append(str(exc))
+            return
+        except OSError as exc:  # its port taken since `kvmesh up` checked it, or never free
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            refused.append(f"cannot listen: {exc}")
             return
         # what the router serves now: the endpoints file read or the pods listed, servers split
         # into their data-parallel ranks; the port bound (--port 0: the one the system chose)

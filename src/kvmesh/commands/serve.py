@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 
 from kvmesh.commands.flags import config_from_args
@@ -192,6 +193,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from kvmesh.commands.up import run_up
 
         return run_up(config, emu, args)
+    try:
+        return _serve(config, emu, args)
+    except OSError as exc:  # a port taken since it was checked (`kvmesh up`), or never free
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        print(f"kvmesh serve: cannot listen: {exc}", file=sys.stderr)
+        return 1
+
+
+def _serve(config: EngineConfig, emu, args: argparse.Namespace) -> int:
     if emu is not None:
         if config.data_parallel_size > 1:
             return run_emulated_data_parallel(config, emu, args)

@@ -4,10 +4,11 @@ One `kvmesh serve` child runs the engine (or `--emulate N` emulated engines) on 
 --port, one `kvmesh router` child runs the router on --port, each with its own event loop and
 interpreter, so the router's scrapes, KV-event ingestion and proxying never wait for engine
 steps (nor for the GIL they hold). Invariants: every child is started with the flags the user
-gave `up` (secrets go by environment, never argv); `kvmesh ready` is printed only once every
-child answers GET /health; SIGINT, SIGTERM or SIGHUP is passed on to every child as SIGTERM,
-and a child still running GRACE_S later is killed; a child that exits on its own stops the
-others and `up` exits with its code (1 if it was 0); no child outlives `up`.
+gave `up` (secrets go by environment, never argv); nothing starts while one of the ports is
+taken (up_ports says by what); `kvmesh ready` is printed only once every child answers
+GET /health on its own port; a child that fails before that stops the others and `up` exits
+with its code (1 if it was 0); one that exits later is restarted with back-off, a crash loop
+ends `up` (up_supervisor); no child outlives `up`.
 """
 
 from __future__ import annotations
@@ -21,22 +22,19 @@ import secrets
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
 
+from kvmesh.commands import up_ports
+from kvmesh.commands.flags import config_from_args
+from kvmesh.commands.up_supervisor import START_TIMEOUT_S, RestartPolicy, Stack
 from kvmesh.engine.config import EngineConfig
 from kvmesh.protocol import auth
 
-GRACE_S = 5.0  # after SIGTERM, a child gets this long to finish before it is killed
-POLL_S = 0.1  # the supervisor's look at its children and at the signals it was sent
-WAITING_EVERY_S = 10.0  # while children start, a line at least this often says what is awaited
-START_TIMEOUT_S = 900.0  # loading a large model takes minutes; a child stuck longer is stopped
 SECRET_FIELDS = {  # EngineConfig field -> the environment variable its child reads it from
     "api_key": auth.API_KEY_ENV,
     "admin_api_key": auth.ADMIN_KEY_ENV,
@@ -127,94 +125,6 @@ def router_command(rcfg, config: EngineConfig, args: argparse.Namespace) -> list
     return cmd
 
 
-class Stack:
-    """The children and the signals sent to this process."""
-
-    def __init__(self, env: dict[str, str]) -> None:
-        self.env = env
-        self.children: dict[str, subprocess.Popen] = {}
-        self.signalled = False
-
-    def on_signal(self, signum: int, frame) -> None:
-        self.signalled = True
-
-    def start(self, name: str, cmd: list[str]) -> None:
-        # each child leads its own session, as one started from its own terminal would; and a
-        # child outlives no supervisor: it gets SIGTERM when this process dies, even by SIGKILL
-        self.children[name] = subprocess.Popen(
-            cmd, env=self.env, start_new_session=True, preexec_fn=_die_with_parent()
-        )
-
-    def exited(self) -> tuple[str, int] | None:
-        """The first child found gone, with its exit code."""
-        for name, child in self.children.items():
-            code = child.poll()
-            if code is not None:
-                return name, code
-        return None
-
-    def wait_healthy(self, urls: list[str], what: str) -> bool:
-        """Until every URL answers GET /health 200: False when a child exits or a signal comes
-        first, or START_TIMEOUT_S passes. Every WAITING_EVERY_S a line says how many of `what`
-        answer so far; one more says when all do."""
-        start = time.monotonic()
-        deadline, report_at = start + START_TIMEOUT_S, start + WAITING_EVERY_S
-        pending, now = list(urls), start
-        while pending:
-            if self.signalled or self.exited() or time.monotonic() > deadline:
-                return False
-            pending = [url for url in pending if not _healthy(url)]
-            now = time.monotonic()
-            if pending and now >= report_at:
-                report_at = now + WAITING_EVERY_S
-                up = len(urls) - len(pending)
-                print(
-                    f"kvmesh up: waiting for the {what}: {up} of {len(urls)} answer /health "
-                    f"after {now - start:.0f} s",
-                    flush=True,
-                )
-            if pending:
-                time.sleep(POLL_S)
-        verb = "answers" if len(urls) == 1 else "answer"
-        print(f"kvmesh up: the {what} {verb} /health after {now - start:.1f} s", flush=True)
-        return True
-
-    def stop(self) -> None:
-        """SIGTERM to every child still running, SIGKILL to those left after GRACE_S."""
-        for child in self.children.values():
-            if child.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    child.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + GRACE_S
-        for child in self.children.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                child.wait(timeout=max(0.0, deadline - time.monotonic()))
-        for child in self.children.values():
-            if child.poll() is None:
-                child.kill()
-                child.wait()
-
-
-def _die_with_parent():
-    """preexec_fn that has the kernel send the child SIGTERM when this process dies, even by
-    SIGKILL (Linux; None elsewhere). The lookup is done here: a forked child imports nothing."""
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    return lambda: prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-            return resp.status == 200
-    except (OSError, urllib.error.URLError):
-        return False
-
-
 def _model_name(url: str, key: str | None) -> str:
     headers = {"Authorization": auth.bearer(key)} if key else {}
     try:
@@ -241,14 +151,33 @@ def free_run(n: int, host: str = "127.0.0.1") -> int:
 
 
 def run_up(config: EngineConfig, emu, args: argparse.Namespace) -> int:
-    """The engine(s) and the router as child processes until SIGINT/SIGTERM or a child's exit."""
+    """The engine(s) and the router as child processes until SIGINT/SIGTERM, a child's exit
+    before the stack is ready, or a crash loop."""
     from kvmesh.commands.serve import up_router_config
 
+    try:
+        policy = config_from_args(RestartPolicy, args)
+    except ValueError as exc:
+        print(f"kvmesh up: {exc}", file=sys.stderr)
+        return 2
     count = args.emulate if emu is not None else 1
-    config, folder = with_ipc_events(config)
     local = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     if args.port == 0:  # not port 0 + 1 .. for the engines: a run of free ports
         args.port = free_run(count + 1, local)
+    roles = {args.port: "the router's"}
+    for i in range(count):
+        roles[args.port + 1 + i] = f"engine {i}'s" if count > 1 else "the engine's"
+    taken = up_ports.taken(args.host, roles)
+    if taken:
+        for line in taken:
+            print(f"kvmesh up: {line}", file=sys.stderr)
+        print(
+            "kvmesh up: nothing started; stop what holds them, or choose another --port "
+            "(--port 0: free ones)",
+            file=sys.stderr,
+        )
+        return 2
+    config, folder = with_ipc_events(config)
     kind = f"{count} emulated engine(s)" if emu is not None else "the engine (loading its model)"
     print(
         f"kvmesh up: starting {kind} on port {args.port + 1}"
@@ -258,43 +187,50 @@ def run_up(config: EngineConfig, emu, args: argparse.Namespace) -> int:
     )
     engines = [f"http://{local}:{args.port + 1 + i}" for i in range(count)]
     rcfg = up_router_config(config, args, engines)
-    stack = Stack(child_env(config))
+    stack = Stack(child_env(config), policy)
     # the children lead sessions of their own, so a terminal's Ctrl-C or hangup reaches only
     # this process, which passes it on as SIGTERM
     stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     previous = {s: signal.signal(s, stack.on_signal) for s in stops}
     code = 0
     try:
-        stack.start("engine", engine_command(config, emu, args))
-        up = stack.wait_healthy(engines, f"{count} engine(s)" if count > 1 else "engine")
+        what = f"{count} engines" if count > 1 else "engine"
+        engine = stack.start("engine", what, engine_command(config, emu, args), engines)
+        up = stack.wait_healthy(engine)
         if up:  # the router learns what the engines cache from their event replay at its start
             print(f"kvmesh up: starting the router on port {args.port} ...", flush=True)
-            stack.start("router", router_command(rcfg, config, args))
-            up = stack.wait_healthy([f"http://{local}:{args.port}"], "router")
-        if not up and not stack.signalled and stack.exited() is None:
-            print(
-                f"kvmesh up: not healthy within {START_TIMEOUT_S:.0f} s; stopping", file=sys.stderr
+            cmd = router_command(rcfg, config, args)
+            up = stack.wait_healthy(
+                stack.start("router", "router", cmd, [f"http://{local}:{args.port}"])
             )
-            return 1
-        if up:
-            what = (
-                f"router, preset {rcfg.preset}"
-                if emu is not None
-                else f"router; model {_model_name(engines[0], config.api_key)}; "
-                f"engine {engines[0]}/v1"
-            )
-            print(f"kvmesh ready: http://{args.host}:{args.port}/v1 ({what})", flush=True)
-        while not stack.signalled and stack.exited() is None:
-            time.sleep(POLL_S)
-        gone = stack.exited()
-        if gone is not None and not stack.signalled:
-            name, status = gone
-            print(f"kvmesh up: the {name} exited with code {status}; stopping", file=sys.stderr)
-            code = status if status > 0 else 1
+        if not up:
+            gone = stack.exited()
+            if gone is not None and not stack.signalled:
+                name, status = gone
+                print(f"kvmesh up: the {name} exited with code {status}; stopping", file=sys.stderr)
+                return status if status > 0 else 1
+            if not stack.signalled:
+                print(
+                    f"kvmesh up: not healthy within {START_TIMEOUT_S:.0f} s; stopping",
+                    file=sys.stderr,
+                )
+                return 1
+            return 0
+        served = (
+            f"router, preset {rcfg.preset}"
+            if emu is not None
+            else f"router; model {_model_name(engines[0], config.api_key)}; engine {engines[0]}/v1"
+        )
+        print(f"kvmesh ready: http://{args.host}:{args.port}/v1 ({served})", flush=True)
+        code = stack.supervise()
     finally:
         stack.stop()
         for s, handler in previous.items():
             signal.signal(s, handler)
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
+        restarts = stack.restarts()
+        if any(restarts.values()):
+            counts = ", ".join(f"{name} {n}" for name, n in restarts.items())
+            print(f"kvmesh up: restarts while up: {counts}", file=sys.stderr)
     return code

@@ -375,5 +375,10 @@ class Router:
 
 
 async def start_router(router: Router, host: str, port: int) -> RouterServer:
+    """The router started and listening; on a failure to listen (a port taken), stopped."""
     await router.start()
-    return await serve(router, host, port, router.config.max_body_bytes)
+    try:
+        return await serve(router, host, port, router.config.max_body_bytes)
+    except BaseException:
+        await router.stop()
+        raise
