@@ -191,3 +191,46 @@ def test_router_restart_smoke(tmp_path: Path) -> None:
     assert [p["name"] for p in result["phases"]] == ["baseline", "router-restart"]
     assert result["targets"]["lost_before_first_token"] == 0, result["phases"]
     assert result["targets"]["index_warm_ok"], result["router_restart"]
+
+
+def test_a_retried_request_is_lost_to_a_client_without_retries() -> None:
+    """The retrying client (the OpenAI SDK's way, while the router is down) and a client that
+    never retries, side by side: every retried request was lost to the second."""
+    phases = [Phase("baseline", 0.0, 4.0), Phase("router-restart", 4.0, 8.0)]
+    results = [
+        _r(1.0, 2.0, 10.0),  # ok to both
+        Result(4.1, 6.0, 900.0, 100, 50, retries=4, sent=5.5),  # ok once retried
+        Result(4.2, 6.5, 950.0, 100, 50, "ClientPayloadError: cut", retries=2, sent=5.6),
+        _r(6.0, 6.5, None, "HTTP 503: no endpoint"),  # lost to both
+    ]
+    base, restart = by_phase(results, phases)
+    assert (base["lost"], base["lost_without_retries"]) == (0, 0)
+    assert (restart["ok"], restart["broken"], restart["lost"]) == (1, 1, 1)
+    assert (restart["ok_without_retries"], restart["broken_without_retries"]) == (0, 0)
+    assert restart["lost_without_retries"] == 3 and restart["retried"] == 2
+    got = assemble(results, [], [], phases)["targets"]
+    assert (got["lost_before_first_token"], got["lost_without_retries"]) == (1, 3)
+    assert not got["lost_ok"] and not got["lost_without_retries_ok"]
+    clean = assemble(results[:2], [], [], phases)["targets"]
+    assert clean["lost_ok"] and clean["lost_without_retries"] == 1
+    assert not clean["lost_without_retries_ok"]
+
+
+def test_the_runs_ports_can_be_chosen(tmp_path: Path, capsys) -> None:
+    import socket
+
+    from kvmesh.bench.chaos_procs import Fleet, port_block, ports_needed
+
+    parser = argparse.ArgumentParser()
+    chaos.add_args(parser)
+    base = port_block(ports_needed(2))
+    args = parser.parse_args(["--engines", "2", "--base-port", str(base), "--out", str(tmp_path)])
+    fleet = Fleet(args, tmp_path, [])  # commands only: nothing starts
+    assert fleet.urls == [f"http://127.0.0.1:{base + 4}", f"http://127.0.0.1:{base + 5}"]
+    assert fleet.router_url == f"http://127.0.0.1:{base + 6}"
+    assert f"tcp://*:{base + 3}" in " ".join(fleet.cmds[1])  # engine 1's replay socket
+    with socket.create_server(("127.0.0.1", base + 5)):
+        assert chaos.main(args) == 2  # refused before anything starts
+    assert f"--base-port {base}..{base + 6}: taken: {base + 5}" in capsys.readouterr().out
+    default = parser.parse_args(["--engines", "2"])
+    assert default.base_port == 0  # free ports, chosen by the run

@@ -28,7 +28,9 @@ router's own warm-up time of its KV-event feeds (kv_index_warm_seconds), and the
 the requests routed in the first second against the seconds before the kill (target: within
 0.02). The client retries a connection only while the router process is down or was killed
 under it, as the OpenAI SDK retries a connection error; such requests count as retried, and
-their TTFT runs from the first attempt.
+their TTFT runs from the first attempt. Lost requests are reported twice, side by side: as
+this retrying client saw them, and as a client without retries would have (every retried
+request lost).
 
 Writes chaos.json and chaos.png (requests per second by outcome, hit rate per second, index
 size, phase bands, kill / eject / re-admit marks) to --out; engine and router logs beside them."""
@@ -57,8 +59,10 @@ from kvmesh.bench.chaos_procs import (
     State,
     in_rotation,
     monitor,
+    ports_needed,
     read_fault_counts,
     set_faults,
+    taken_ports,
     wait_ready,
 )
 from kvmesh.bench.router_procs import ENV
@@ -111,6 +115,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="Engines in slow motion: steps, think times and timeouts last K times longer; "
         "TTFT is reported divided by K; phases and eject / warm times stay in wall seconds [1].",
+    )
+    a(
+        "--base-port",
+        type=int,
+        default=0,
+        help="First of the run's ports, 3 x --engines + 1 in a row: engine i's KV events on "
+        "BASE+2i and its replay on BASE+2i+1, engine i's HTTP on BASE+2N+i, the router on "
+        "BASE+3N; all must be free. 0: a free run below the ephemeral ports [0].",
     )
     a("--out", default="bench-results/chaos", help="Output folder [bench-results/chaos].")
     a("--quick", action="store_true", help="CI size (about a minute), small sessions.")
@@ -241,6 +253,15 @@ def main(args: argparse.Namespace) -> int:
     if [x for x in names if x not in PHASES] or args.engines < 2:
         console.print(f"kvmesh bench chaos: phases are {', '.join(PHASES)}; 2 engines at least")
         return 2
+    if args.base_port:
+        count = ports_needed(args.engines)
+        fits = 0 < args.base_port <= 65536 - count
+        taken = taken_ports(args.base_port, count) if fits else []
+        if taken or not fits:
+            why = f"taken: {', '.join(map(str, taken))}" if taken else "out of range"
+            last = args.base_port + count - 1
+            console.print(f"kvmesh bench chaos: --base-port {args.base_port}..{last}: {why}")
+            return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rflags = router_flags(args)

@@ -35,8 +35,8 @@ def _counted(p: dict) -> str:
 
 def table(phases: list[dict], title: str) -> Table:
     t = Table(title=title)
-    cols = "phase|target|s|requests|lost <1st token|broken >1st token|retried|hit rate|TTFT p50|p90"
-    cols += "|eject|re-admit|counted ej/re"
+    cols = "phase|target|s|requests|lost <1st token: retrying client|lost: no retries"
+    cols += "|broken >1st token|retried|hit rate|TTFT p50|p90|eject|re-admit|counted ej/re"
     for col in cols.split("|"):
         left = col in ("phase", "target")
         whole = left or col in ("p90", "eject", "re-admit", "counted ej/re")
@@ -48,6 +48,7 @@ def table(phases: list[dict], title: str) -> Table:
             f"{p['end'] - p['start']:.1f}",
             str(p["requests"]),
             f"[red]{p['lost']}[/]" if p["lost"] else "0",
+            f"[red]{p['lost_without_retries']}[/]" if p["lost_without_retries"] else "0",
             str(p["broken"]),
             str(p["retried"]),
             _f(p["hit_rate"]),

@@ -43,14 +43,31 @@ def port_block(count: int) -> int:
     raise RuntimeError(f"no {count} free ports in a row below 32000")
 
 
+def ports_needed(engines: int) -> int:
+    """Ports from the base: engine i's KV events base+2i, its replay base+2i+1, its HTTP
+    base+2n+i; the router's HTTP base+3n."""
+    return 3 * engines + 1
+
+
+def taken_ports(base: int, count: int, host: str = "127.0.0.1") -> list[int]:
+    """Of base .. base+count-1, the ports that cannot be bound now."""
+    taken = []
+    for port in range(base, base + count):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                taken.append(port)
+    return taken
+
+
 class Fleet:
     """The engines (one process each, fixed ports) and the router, killed and started again
     with the same commands; every start logs to its own file."""
 
     def __init__(self, args: argparse.Namespace, out: Path, rflags: list[str]) -> None:
         n, self.out = args.engines, out
-        # engine i: events base+2i, replay base+2i+1, HTTP base+2n+i; the router base+3n
-        base = port_block(3 * n + 1)
+        base = args.base_port or port_block(ports_needed(n))
         self.urls = [f"http://127.0.0.1:{base + 2 * n + i}" for i in range(n)]
         self.cmds = []
         for i in range(n):

@@ -51,6 +51,12 @@ class Result:
             return "ok"
         return "broken" if self.ttft_ms is not None else "lost"
 
+    @property
+    def outcome_without_retries(self) -> str:
+        """The outcome a client that never retries would have seen: a retried request's first
+        attempt had failed before any token, so lost."""
+        return "lost" if self.retries else self.outcome
+
 
 @dataclass(slots=True)
 class Phase:
@@ -85,6 +91,8 @@ def summarize(results: list[Result]) -> dict:
         out[o] = sum(r.outcome == o for r in results)
     hit = hit_rate(results)
     out["retried"] = sum(r.retries > 0 for r in results)
+    for o in OUTCOMES:  # the same requests as a client without retries would have seen them
+        out[f"{o}_without_retries"] = sum(r.outcome_without_retries == o for r in results)
     out["hit_rate"] = round(hit, 4) if hit is not None else None
     out["ttft_ms_p50"] = round(percentile(ttft, 50), 1) if ttft else None
     out["ttft_ms_p90"] = round(percentile(ttft, 90), 1) if ttft else None
@@ -134,11 +142,15 @@ def hit_recovery(
 
 
 def targets(phases: list[dict], warm: dict) -> dict:
-    """The issue's targets: no request lost before its first token; after the router restart
-    the index warm within 1 s (by its entries, and by the router's own feed gauges) and the
-    hit rate in the first second within 0.02 of before."""
+    """The issue's targets: no request lost before its first token, by a client that retries
+    a refused connection while the router is down (as the OpenAI SDK does) and, reported
+    beside it, by one that never retries; after the router restart the index warm within 1 s
+    (by its entries, and by the router's own feed gauges) and the hit rate in the first
+    second within 0.02 of before."""
     lost = sum(p["lost"] for p in phases)
+    unretried = sum(p["lost_without_retries"] for p in phases)
     out: dict = {"lost_before_first_token": lost, "lost_ok": lost == 0}
+    out |= {"lost_without_retries": unretried, "lost_without_retries_ok": unretried == 0}
     if warm:
         w = warm.get("index_warm_s")
         out["index_warm_s"] = w
