@@ -10,6 +10,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -82,6 +83,19 @@ class Group:
 
     def tail(self) -> str:
         return "\n".join(f.read_text(errors="replace")[-2000:] for f in self.logs.glob("*.log"))
+
+
+@contextlib.contextmanager
+def busy_processes(n: int):
+    """``n`` processes that spin on a core each until the block ends: a loaded host."""
+    spin = [sys.executable, "-c", "while True: pass"]
+    procs = [subprocess.Popen(spin, start_new_session=True) for _ in range(n)]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 async def long_stream(url: str) -> None:
