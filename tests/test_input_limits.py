@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import random
 import threading
 import time
 import urllib.request
@@ -181,6 +182,10 @@ def test_the_depth_limit_is_documented_and_exact(untrusted):
     assert not deep([1] * 10_000) and deep({"a": nest(64)})
     assert not deep({"a": ["[[[[" * 100, '}}]]\\"[{' * 100], "b": {}})  # brackets in strings
     assert not deep([{}] * 10_000) and deep([1, {"x": [nest(64)]}])
+    escapes = ["\\", '\\"', '"\\', '\\\\"[[', "é[", "]\u2028"]  # backslashes before quotes
+    assert not deep({"a": [e * 40 for e in escapes], "b": nest(62)})
+    assert deep({"a": [e * 40 for e in escapes], "b": nest(64)})
+    assert not deep([{"role": "user", "content": "hi"}] * 100_000)  # vector passes, not a regex
     kwargs = {"x": nest(MAX_JSON_DEPTH - 2)}  # the body and chat_template_kwargs: 2 more
     for url in untrusted[:2]:
         body = {"messages": HELLO, "max_tokens": 1, "chat_template_kwargs": kwargs}
@@ -224,13 +229,17 @@ def test_the_router_refuses_a_prompt_no_endpoint_can_hold_without_tokenizing(
         monkeypatch.setattr(tokens, name, spy(name, getattr(tokens, name)))
     for name in ("parse_completion", "parse_chat"):  # what the engine does first with a request
         monkeypatch.setattr(OpenAIServing, name, spy(name, getattr(OpenAIServing, name)))
-    text = "lorem ipsum dolor sit amet " * 100_000  # 2.7 MB: at least 33,334 tokens
-    body = {"prompt": text} if path != CHAT else {"messages": [{"role": "user", "content": text}]}
-    code, out = post(untrusted[0], path, {**body, "max_tokens": 1})
-    message = out["error"]["message"]
-    assert code == 400 and f"maximum context length is {MAX_LEN} tokens" in message
-    assert "requested at least" in message
-    assert calls == []  # neither tokenized by the router nor sent to the engine
+    # 2.7 MB: at least 33,334 tokens by its bytes; 150 kB of short words: as many tokens as
+    # words (no token covers parts of two), where its bytes gave 1,852
+    for text in ("lorem ipsum dolor sit amet " * 100_000, "go " * 50_000):
+        body = {"prompt": text}
+        if path == CHAT:
+            body = {"messages": [{"role": "user", "content": text}]}
+        code, out = post(untrusted[0], path, {**body, "max_tokens": 1})
+        message = out["error"]["message"]
+        assert code == 400 and f"maximum context length is {MAX_LEN} tokens" in message
+        assert "requested at least" in message
+        assert calls == []  # neither tokenized by the router nor sent to the engine
     small = {"prompt": "hi"} if path != CHAT else {"messages": HELLO}
     assert post(untrusted[0], path, {**small, "max_tokens": 1})[0] == 200
     assert "ids_and_keys" in calls  # (the spies see what the router tokenizes)
@@ -254,9 +263,9 @@ def test_long_prompts_are_tokenized_off_the_event_loop(untrusted, monkeypatch):
 
     monkeypatch.setattr(serving, "encode_off_loop", gate(serving.encode_off_loop))
     monkeypatch.setattr(router.tokens, "ids_and_keys", gate(router.tokens.ids_and_keys))
-    # 240 kB: within the length bound of both (a longer one is refused untokenized), not the
-    # context: tokenized, then refused by its count
-    short = {"prompt": "lorem ipsum " * 20_000, "max_tokens": 1}
+    # 194 kB in 2,000 long words: within the length bounds of both (by bytes and by words; a
+    # longer one is refused untokenized), not the context: tokenized, then refused by its count
+    short = {"prompt": ("lorem-ipsum-" * 8 + " ") * 2_000, "max_tokens": 1}
     for url, prompt in ((untrusted[0], short), (untrusted[1], short)):
         entered.clear()
         release.clear()
@@ -299,11 +308,16 @@ def test_min_tokens_bounds_and_off_loop_encoding_matches(tokenizer):
     from kvmesh.engine.tokenizer import encode, encode_off_loop, min_tokens
 
     texts = ["x" * 3000, " " * 5000, "-" * 4000, "déjà vu 😀 " * 200, "\x04" * 900 + "a", ""]
+    rng = random.Random(37)  # words, whitespace of every kind, vanishing bytes, emoji
+    texts += ["".join(rng.choices("ab \n\t\r\x0b\x0c.-é😀\x04 1", k=80)) for _ in range(300)]
     for text in texts:
         ids = encode(tokenizer, text, False)
         assert min_tokens(tokenizer, text) <= len(ids)
         assert encode_off_loop(tokenizer, text, False) == ids
         assert encode_off_loop(tokenizer, text, True) == encode(tokenizer, text, True)
+    # no token of this tokenizer covers parts of two words: each word needs one of its own
+    assert min_tokens(tokenizer, "go " * 50_000) == 50_000
+    assert min_tokens(tokenizer, " a\tb\n\nc  ") == 3
 
 
 def test_the_opt_in_flag_on_both_commands():

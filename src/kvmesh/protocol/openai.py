@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import re
-from itertools import accumulate
 from typing import Annotated, Any
 
 import msgspec
+import numpy as np
 
 
 class StreamOptions(msgspec.Struct, omit_defaults=True):
@@ -170,24 +169,30 @@ def context_length_error(
 
 MAX_JSON_DEPTH = 64  # arrays and objects nested deeper than this in a request body: 400
 TOO_DEEP = f"The request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)."
-# strings (escapes included) and then all but brackets, removed from a body to measure its depth
-_STRINGS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
-_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
-_STEP = [0] * 256
-_STEP[ord("[")] = _STEP[ord("{")] = 1
-_STEP[ord("]")] = _STEP[ord("}")] = -1
+# a body's bytes that matter to its depth: quotes (strings' edges) and brackets, with their steps
+_NOT_MARKS = bytes(sorted(set(range(256)) - set(b'"[]{}')))
+_STEP = np.zeros(256, dtype=np.int32)
+_STEP[list(b"[{")] = 1
+_STEP[list(b"]}")] = -1
 _decoders: dict[type, msgspec.json.Decoder] = {}
 _encoder = msgspec.json.Encoder()
 
 
 def nested_too_deeply(body: bytes, levels: int = MAX_JSON_DEPTH) -> bool:
     """Whether a well-formed JSON text nests more than ``levels`` arrays and objects, fields
-    no schema reads included; C-speed passes over the bytes (strings cut out, then a running
-    sum over the brackets left)."""
+    no schema reads included; vector passes over the bytes, milliseconds for megabytes (a
+    regex that cut the strings out held the event loop 0.2 s on 100,000 small messages).
+    Escapes go first (escaped backslashes, then escaped quotes: JSON reads them left to
+    right), so every quote left opens or closes a string; a bracket counts where an even
+    number of quotes precedes it."""
     if body.count(b"{") + body.count(b"[") <= levels:  # most bodies: two counts
         return False
-    brackets = _STRINGS.sub(b"", body).translate(None, _NOT_BRACKETS)
-    return max(accumulate(map(_STEP.__getitem__, brackets)), default=0) > levels
+    text = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+    marks = np.frombuffer(text.translate(None, _NOT_MARKS), dtype=np.uint8)
+    # quotes so far, mod 256 (the parity survives the wrap): even outside strings
+    outside = (np.cumsum(marks == ord('"'), dtype=np.uint8) & 1) == 0
+    depth = np.cumsum(np.where(outside, _STEP[marks], 0), dtype=np.int32)
+    return bool(depth.size) and int(depth.max()) > levels
 
 
 def decode_request(body: bytes, cls: type[msgspec.Struct]):

@@ -13,6 +13,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -152,15 +153,33 @@ def _byte_symbols() -> list[str]:
     return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
 
 
-def token_span(tokenizer: Any) -> tuple[int, bytes] | None:
-    """(the most bytes of text one token can stand for, the bytes that vanish in tokenization)
-    when the tokenizer's structure bounds them, else None; cached on the tokenizer.
+WHITESPACE = b" \t\n\r\x0b\x0c"
+# every byte to b" " (whitespace) or b"x" (any other): a text's words are the runs of b"x"
+_WORD_BYTES = bytes(0x20 if b in WHITESPACE else 0x78 for b in range(256))
+_TWO_WORDS = re.compile(rb"[^ \t\n\r\x0b\x0c][ \t\n\r\x0b\x0c]+[^ \t\n\r\x0b\x0c]")
+
+
+def _spans_two_words(vocab: Any, added: list[str]) -> bool:
+    """Whether a vocabulary entry (in ByteLevel symbols) or an added token holds whitespace
+    between two other bytes, so that one token could cover parts of two words."""
+    symbols = _byte_symbols()
+    space = "".join(symbols[b] for b in WHITESPACE)
+    # "\n" is no ByteLevel symbol: it parts the entries
+    two = re.compile(f"[^{re.escape(space)}\n][{re.escape(space)}]+[^{re.escape(space)}\n]")
+    return bool(two.search("\n".join(vocab))) or any(_TWO_WORDS.search(a.encode()) for a in added)
+
+
+def token_span(tokenizer: Any) -> tuple[int, bytes, bool] | None:
+    """(the most bytes of text one token can stand for, the bytes that vanish in tokenization,
+    whether no token covers parts of two words) when the tokenizer's structure bounds them,
+    else None; cached on the tokenizer. Words are the runs of bytes other than WHITESPACE.
 
     Sound for a byte-level BPE whose wrapper encodes as its Rust tokenizer does: no normalizer
     (one could drop characters); pre-tokenizers that map each byte to one symbol (ByteLevel)
     or only cut (Split without removal, Digits); a BPE model without fused unknowns. Each token
-    is then a vocabulary entry of at most `most` symbols, or an added token matched verbatim;
-    a byte whose symbol is not in the vocabulary vanishes (or becomes one unknown token)."""
+    is then a vocabulary entry of at most `most` symbols, or an added token matched verbatim,
+    covering a run of the text's bytes once the vanishing ones are out; a byte whose symbol is
+    not in the vocabulary vanishes (or becomes one unknown token)."""
     cached = getattr(tokenizer, "_kvmesh_token_span", False)
     if cached is not False:
         return cached
@@ -183,10 +202,10 @@ def token_span(tokenizer: Any) -> tuple[int, bytes] | None:
             and not model.get("fuse_unk")
         ):
             vocab = model["vocab"]
-            added = [len(t["content"].encode()) for t in spec.get("added_tokens") or ()]
-            most = max(max(map(len, vocab), default=0), *added, 1)
+            added = [t["content"] for t in spec.get("added_tokens") or ()]
+            most = max(max(map(len, vocab), default=0), *(len(a.encode()) for a in added), 1)
             vanish = bytes(b for b, s in enumerate(_byte_symbols()) if s not in vocab)
-            span = (most, vanish)
+            span = (most, vanish, not _spans_two_words(vocab, added))
     except (AttributeError, KeyError, TypeError, ValueError):  # an unusual tokenizer: no bound
         span = None
     with contextlib.suppress(AttributeError):
@@ -197,12 +216,17 @@ def token_span(tokenizer: Any) -> tuple[int, bytes] | None:
 def min_tokens(tokenizer: Any, text: str) -> int:
     """A lower bound on ``len(encode(tokenizer, text))`` from the text's bytes alone (0 when
     the tokenizer's structure gives none): C-speed, for refusing a prompt no tokenization could
-    fit in the context before spending seconds tokenizing it."""
+    fit in the context before spending seconds tokenizing it. Its bytes over the longest
+    token's, and where no token covers parts of two words, its words (each needs a token of
+    its own: 8 MB of short words had passed the first bound and held a tokenizer for seconds)."""
     span = token_span(tokenizer)
     if span is None:
         return 0
-    most, vanish = span
+    most, vanish, words = span
     data = text.encode("utf-8", "surrogatepass")
+    if words:  # one pass: the vanishing bytes out, the rest marked b" " or b"x"
+        marked = data.translate(_WORD_BYTES, vanish)
+        return max(-(-len(marked) // most), marked.count(b" x") + marked.startswith(b"x"))
     if vanish:
         data = data.translate(None, vanish)
     return -(-len(data) // most)
