@@ -331,3 +331,20 @@ def test_the_opt_in_flag_on_both_commands():
         assert not config_from_args(cls, parser.parse_args([])).trust_request_chat_template
         args = parser.parse_args(["--trust-request-chat-template"])
         assert config_from_args(cls, args).trust_request_chat_template
+
+
+def test_the_length_bound_is_read_from_the_vocabulary_at_start():
+    """Router and engine read the bound's facts (the whole vocabulary) when they are built,
+    never on the event loop when the first long prompt comes."""
+    from kvmesh.engine.serving import OpenAIServing
+    from kvmesh.engine.tokenizer import load_tokenizer
+    from kvmesh.router.request_parser import RequestParser
+    from kvmesh.router.tokens import PromptTokenizer
+
+    fresh, _ = load_tokenizer(None)
+    assert "_kvmesh_token_span" not in vars(fresh)
+    RequestParser(PromptTokenizer(fresh), True, 16).close()
+    assert vars(fresh)["_kvmesh_token_span"] is not None
+    fresh, _ = load_tokenizer(None)
+    OpenAIServing(None, fresh, "m", 1 << 20, ())
+    assert vars(fresh)["_kvmesh_token_span"] is not None

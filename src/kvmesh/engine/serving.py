@@ -30,7 +30,7 @@ from kvmesh.protocol.prompt import (
     decode_completion,
 )
 from kvmesh.protocol.request_checks import check_request_id
-from kvmesh.protocol.tokenizer import encode, encode_off_loop, min_tokens
+from kvmesh.protocol.tokenizer import encode, encode_off_loop, min_tokens, token_span
 
 _counter = itertools.count()
 logger = logging.getLogger(__name__)
@@ -65,6 +65,7 @@ class OpenAIServing:
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
+        token_span(tokenizer)  # read from the vocabulary now, not by a long prompt on the loop
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids

@@ -36,7 +36,7 @@ from kvmesh.protocol.prompt import (
     prompt_token_ids,
 )
 from kvmesh.protocol.request_checks import check_request_id
-from kvmesh.protocol.tokenizer import min_tokens
+from kvmesh.protocol.tokenizer import min_tokens, token_span
 from kvmesh.router.plugins import SchedulingRequest
 
 if TYPE_CHECKING:
@@ -55,6 +55,9 @@ class RequestParser:
         self.tokens = tokens
         self.tokenize = tokenize  # False: no profile reads token ids, so none are computed
         self.block_size = block_size
+        # the length bound's facts, read from the whole vocabulary once, now: the first long
+        # prompt's check_fits, on the event loop, had read them (0.9 s on a loaded host)
+        token_span(tokens.tokenizer)
         self.trust_request_chat_template = False  # Router sets it from its config
         self.max_choices_per_request = 256  # Router sets it from its config
         # the largest context among the endpoints (None: not known); Router sets it
