@@ -51,7 +51,7 @@ import aiohttp
 from rich.console import Console
 
 from kvmesh.bench import chaos_report as rep
-from kvmesh.bench import cli_args, loadgen
+from kvmesh.bench import chaos_soak, cli_args, loadgen
 from kvmesh.bench.chaos_load import drive
 from kvmesh.bench.chaos_plot import plot, print_summary
 from kvmesh.bench.chaos_procs import (
@@ -62,6 +62,7 @@ from kvmesh.bench.chaos_procs import (
     ports_needed,
     read_fault_counts,
     set_faults,
+    start_fleet,
     taken_ports,
     wait_ready,
 )
@@ -135,6 +136,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     cli_args.add_workload_params(w, ("agentic",))
     w.add_argument("--seed", type=int, default=0, help="Workload seed [0].")
+    chaos_soak.add_args(parser)
 
 
 def router_flags(args: argparse.Namespace) -> list[str]:
@@ -219,13 +221,7 @@ async def run(fleet: Fleet, wl, names: list[str], args, console: Console):
         ) as http,
         aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as ctl,
     ):
-        procs = [fleet.start_engine(i) for i in range(args.engines)]
-        ready = await asyncio.gather(
-            *(wait_ready(ctl, u, p) for u, p in zip(fleet.urls, procs, strict=True))
-        )
-        if not all(ready) or not await wait_ready(ctl, fleet.router_url, fleet.start_router()):
-            bad = next((p for p, ok in zip(procs, ready, strict=True) if not ok), fleet.router)
-            raise RuntimeError(f"the fleet did not start:\n{bad.tail()}")
+        await start_fleet(ctl, fleet)
         model = await loadgen.served_model(http, fleet.router_url, fleet.urls)
         st, mon_stop = State(), asyncio.Event()
         mon = asyncio.create_task(monitor(ctl, fleet.router_url, st, mon_stop))
@@ -249,6 +245,7 @@ def main(args: argparse.Namespace) -> int:
         name = flag[2:].replace("-", "_")
         if quick is not None and getattr(args, name) == default:
             setattr(args, name, quick)
+    chaos_soak.quick_defaults(args)
     names = [x.strip() for x in args.phases.split(",") if x.strip()]
     if [x for x in names if x not in PHASES] or args.engines < 2:
         console.print(f"kvmesh bench chaos: phases are {', '.join(PHASES)}; 2 engines at least")
@@ -268,18 +265,23 @@ def main(args: argparse.Namespace) -> int:
     profile = QUICK if args.quick else DENSE
     # sessions enough for the whole timeline: one lasts at least a think time per turn
     turns, think = args.turns or profile["turns"], args.think_s or profile["think_s"]
-    span = len(names) * args.phase_seconds / (turns * (think * args.emulate_time_scale + 0.05))
+    # each of the soak's runs starts the sessions afresh
+    seconds = args.soak_seconds if args.hostile else len(names) * args.phase_seconds
+    span = seconds / (turns * (think * args.emulate_time_scale + 0.05))
     overrides = {**profile, "sessions": math.ceil(2 * args.concurrency * span) + args.concurrency}
     wl = cli_args.build_workload(args, "agentic", **overrides)
     scale = args.emulate_time_scale
     title = (
         f"chaos: {args.engines} emulated engines ({args.emulate_model} on {args.emulate_gpu}), "
-        f"{args.concurrency} agentic sessions in flight, {args.phase_seconds:g} s phases"
+        f"{args.concurrency} agentic sessions in flight, "
+        + (f"{args.soak_seconds:g} s runs" if args.hostile else f"{args.phase_seconds:g} s phases")
         + (f", slow motion x{scale:g}" if scale != 1 else "")
     )
     console.print(title)
     console.print(f"router flags: {' '.join(rflags) or '(its defaults)'}")
     fleet = Fleet(args, out, rflags)
+    if args.hostile:
+        return chaos_soak.main(args, fleet, wl, title, console)
     try:
         st, phases = asyncio.run(run(fleet, wl, names, args, console))
     finally:

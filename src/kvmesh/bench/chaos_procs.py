@@ -147,6 +147,18 @@ async def wait_ready(http: aiohttp.ClientSession, url: str, proc: Proc, limit: f
     return False
 
 
+async def start_fleet(http: aiohttp.ClientSession, fleet: Fleet) -> None:
+    """Every engine, then the router, each answering /health; RuntimeError with the log's
+    tail of the first that did not start."""
+    procs = [fleet.start_engine(i) for i in range(len(fleet.urls))]
+    ready = await asyncio.gather(
+        *(wait_ready(http, u, p) for u, p in zip(fleet.urls, procs, strict=True))
+    )
+    if not all(ready) or not await wait_ready(http, fleet.router_url, fleet.start_router()):
+        bad = next((p for p, ok in zip(procs, ready, strict=True) if not ok), fleet.router)
+        raise RuntimeError(f"the fleet did not start:\n{bad.tail()}")
+
+
 async def in_rotation(st: State, endpoint: str, since: float, limit: float) -> None:
     """Until a /metrics sample after `since` shows the endpoint in rotation (or `limit` s)."""
     deadline = st.now() + limit
