@@ -40,6 +40,17 @@ def test_parse_report_counts_failures_and_reads_ttft():
     assert 0 < got["ttft_ms_p50"] <= got["ttft_ms_p90"]
 
 
+def test_a_request_missing_from_the_report_counts_as_failed(tmp_path):
+    tpl = load_script()
+    doc = json.loads(REPORT.read_text())
+    doc["benchmarks"][0]["scheduler_state"]["created_requests"] = 11  # one sent, never reported
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(doc))
+    got = tpl.parse_report(path)
+    assert (got["requests"], got["successful"], got["failed"]) == (11, 6, 5)
+    assert got["errors"]["sent by GuideLLM but missing from its report"] == 1
+
+
 def run(stack: str, preset: str, failed: int, p50: float, rnd: int = 0) -> dict:
     ttft = {"ttft_ms_p50": p50, "ttft_ms_p90": 2 * p50, "ttft_ms_mean": 1.5 * p50}
     return {
