@@ -51,6 +51,19 @@ def test_a_request_missing_from_the_report_counts_as_failed(tmp_path):
     assert got["errors"]["sent by GuideLLM but missing from its report"] == 1
 
 
+def test_a_poisson_schedule_sent_as_one_burst_is_found(tmp_path):
+    tpl = load_script()
+    assert tpl.parse_report(REPORT)["burst"] == 0
+    doc = json.loads(REPORT.read_text())
+    for r in doc["benchmarks"][0]["requests"]["errored"]:  # arrival offsets from 0, not the start
+        r["info"]["timings"]["targeted_start"] -= doc["benchmarks"][0]["scheduler_state"][
+            "start_time"
+        ]
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(doc))
+    assert tpl.parse_report(path)["burst"] == 4
+
+
 def run(stack: str, preset: str, failed: int, p50: float, rnd: int = 0) -> dict:
     ttft = {"ttft_ms_p50": p50, "ttft_ms_p90": 2 * p50, "ttft_ms_mean": 1.5 * p50}
     return {
@@ -60,6 +73,7 @@ def run(stack: str, preset: str, failed: int, p50: float, rnd: int = 0) -> dict:
         "requests": 10,
         "failed": failed,
         "errors": {"boom": failed} if failed else {},
+        "burst": 0,
         "hit_rate": 0.5,
         **ttft,
     }
@@ -83,6 +97,10 @@ def test_no_ratio_from_a_run_with_failures_and_medians_over_rounds():
     assert sep["failed"] == 2 and sep["vs_rr_p50"] is None and sep["vs_rr_p90"] is None
     lines = tpl.failures(runs)
     assert len(lines) == 1 and lines[0].startswith("FAILED: separate/kvmesh")
+    burst = run("up", "kvmesh", 0, 900.0, 2) | {"burst": 10}
+    rows = {(r["stack"], r["preset"]): r for r in tpl.summarize([*runs, burst], 5.0)}
+    assert rows[("up", "kvmesh")]["ttft_ms_p50"] == 60.0  # the burst run is left out
+    assert tpl.failures([burst])[0].startswith("LEFT OUT: up/kvmesh round 2")
 
 
 @pytest.mark.slow
