@@ -17,10 +17,8 @@ import argparse
 import contextlib
 import json
 import os
-import random
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,6 +27,8 @@ import urllib.request
 from collections import Counter
 from itertools import chain
 from pathlib import Path
+
+from kvmesh.bench.chaos_procs import port_block
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL_BIN = ROOT / ".venv-loadgen" / "bin" / "guidellm"
@@ -55,20 +55,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tool", default=str(TOOL_BIN), help="the guidellm executable")
     p.add_argument("--out", default="bench-results/third_party_load")
     return p.parse_args(argv)
-
-
-def free_base(count: int) -> int:
-    """A base P with P..P+count-1 free, below Linux's ephemeral range."""
-    for _ in range(200):
-        base = random.randrange(10_000, 32_000 - count)
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as s:
-                    s.bind(("0.0.0.0", port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError(f"no {count} free ports in a row")
 
 
 def stack_commands(args: argparse.Namespace, stack: str, preset: str, port: int) -> list[list]:
@@ -201,7 +187,7 @@ def parse_report(path: Path) -> dict:
 def run_one(args: argparse.Namespace, stack: str, preset: str, rnd: int, tok: Path) -> dict:
     out = Path(args.out) / f"r{rnd}-{stack}-{preset}"
     out.mkdir(parents=True, exist_ok=True)
-    port = free_base(3 * args.engines + 3)
+    port = port_block(3 * args.engines + 3)
     engines = [f"http://127.0.0.1:{port + 1 + i}" for i in range(args.engines)]
     router, log, procs = f"http://127.0.0.1:{port}", out / "stack.log", []
     cmds = stack_commands(args, stack, preset, port)

@@ -47,7 +47,6 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-import aiohttp
 from rich.console import Console
 
 from kvmesh.bench import chaos_report as rep
@@ -57,6 +56,7 @@ from kvmesh.bench.chaos_plot import plot, print_summary
 from kvmesh.bench.chaos_procs import (
     Fleet,
     State,
+    client_sessions,
     in_rotation,
     monitor,
     ports_needed,
@@ -213,14 +213,7 @@ async def timeline(http, fleet: Fleet, names: list[str], args, st: State) -> lis
 
 async def run(fleet: Fleet, wl, names: list[str], args, console: Console):
     """Start the fleet, run load, monitor and timeline together; (state, phases)."""
-    k = args.emulate_time_scale
-    async with (
-        aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=args.request_timeout * k),
-            connector=aiohttp.TCPConnector(limit=0),
-        ) as http,
-        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as ctl,
-    ):
+    async with client_sessions(args) as (http, ctl):
         await start_fleet(ctl, fleet)
         model = await loadgen.served_model(http, fleet.router_url, fleet.urls)
         st, mon_stop = State(), asyncio.Event()
@@ -230,7 +223,7 @@ async def run(fleet: Fleet, wl, names: list[str], args, console: Console):
         phases = await timeline(ctl, fleet, names, args, st)
         st.stop.set()
         try:
-            await asyncio.wait_for(load, args.request_timeout * k + 10)
+            await asyncio.wait_for(load, args.request_timeout * args.emulate_time_scale + 10)
         except TimeoutError:
             st.notes.append("requests still in flight after the drain timeout were dropped")
         mon_stop.set()

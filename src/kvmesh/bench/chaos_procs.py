@@ -28,6 +28,21 @@ from kvmesh.bench.router_procs import Proc, Target, router_command, stop_all
 POLL_S = 0.05  # the router's /metrics, and /health while waiting for a start
 
 
+@contextlib.asynccontextmanager
+async def client_sessions(args: argparse.Namespace):
+    """(load, control): the load's HTTP session, its request timeout stretched by the engines'
+    time scale, and a short-timeout one for health, faults and metrics."""
+    k = args.emulate_time_scale
+    async with (
+        aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=args.request_timeout * k),
+            connector=aiohttp.TCPConnector(limit=0),
+        ) as http,
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as ctl,
+    ):
+        yield http, ctl
+
+
 def port_block(count: int) -> int:
     """A base P with P..P+count-1 free, below Linux's ephemeral ports (32768 up), so that no
     outgoing connection takes the port of an engine while it is down for a restart."""

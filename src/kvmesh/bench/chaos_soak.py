@@ -27,7 +27,7 @@ from kvmesh.bench import loadgen
 from kvmesh.bench.chaos_hostile import CLASSES, PARTIAL_TIMEOUT_S, HostileRecord
 from kvmesh.bench.chaos_load import drive
 from kvmesh.bench.chaos_metrics import parse_router_metrics
-from kvmesh.bench.chaos_procs import Fleet, State, start_fleet
+from kvmesh.bench.chaos_procs import Fleet, State, client_sessions, start_fleet
 from kvmesh.bench.router_procs import ENV
 
 RECORDS = "hostile-records.json"  # the hostile process's records, beside the logs
@@ -121,14 +121,7 @@ async def one_run(http, ctl, fleet: Fleet, model, wl, args, seconds: float, host
 
 async def soak(fleet: Fleet, wl, args: argparse.Namespace, console: Console) -> dict:
     """Warm-up, clean and hostile runs on one fleet; the result before assembly."""
-    k = args.emulate_time_scale
-    async with (
-        aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=args.request_timeout * k),
-            connector=aiohttp.TCPConnector(limit=0),
-        ) as http,
-        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as ctl,
-    ):
+    async with client_sessions(args) as (http, ctl):
         await start_fleet(ctl, fleet)
         model = await loadgen.served_model(http, fleet.router_url, fleet.urls)
         proc, log = await start_hostile(args, fleet.router_url, model, fleet.out)
