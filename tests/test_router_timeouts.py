@@ -89,3 +89,30 @@ async def test_a_head_then_a_close_before_the_first_token_is_retried(tokenizer) 
         assert dropper.head_sent.is_set()
         assert router.metrics.requests.labels(dropper.url, "stream_error")._value.get() >= 1
         assert router.pool.endpoints[dropper.url].healthy  # it answered: not unreachable
+
+
+class Poisoned(Engine):
+    """Drops the connection, unanswered, on a request whose prompt says "poison" (as an engine
+    that cannot answer it would); answers the rest."""
+
+    async def _answer(self, reader, writer: asyncio.StreamWriter, body: bytes) -> bool:
+        if b"poison" in body:
+            writer.close()
+            return False
+        return await super()._answer(reader, writer, body)
+
+
+async def test_a_request_every_engine_drops_leaves_them_all_in_rotation(tokenizer) -> None:
+    """The failure is the request's, not the endpoints': it may be retried elsewhere, but it
+    must not take the engines out of rotation for everyone else."""
+    engines = [Poisoned(), Poisoned(), Poisoned()]
+    async with routed(tokenizer, engines, max_retries=2) as (router, port):
+        raw = await exchange(port, post("/v1/completions", {"prompt": "poison"}))
+        assert raw.startswith(b"HTTP/1.1 503"), raw
+        # tried on each (again on a fresh connection where a pooled one may have gone stale)
+        assert all(1 <= len(e.requests) <= 2 for e in engines)
+        assert all(e.healthy for e in router.pool.endpoints.values())
+        for e in engines:
+            assert router.metrics.requests.labels(e.url, "dropped")._value.get() == 1
+        raw = await exchange(port, post("/v1/completions", {"prompt": "fine"}))
+        assert raw.startswith(b"HTTP/1.1 200"), raw

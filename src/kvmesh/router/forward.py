@@ -201,12 +201,12 @@ class Forward(Exchange):
             if self.reused and not self.conn.got_bytes:
                 self._settle(STALE)
                 return
-            if self.started:  # it answered a head, then broke before the first token
-                router.pool.request_failed(e, "stream_error")
-                router.metrics.count(e.name, "stream_error")
-            else:
-                router.pool.unreachable(e)
-                router.metrics.count(e.name, "connect_error")
+            # it took the request, then closed before the first token: this request may be what
+            # broke it (as one that cannot be answered), so it counts towards ejection as a
+            # failed request, never as an unreachable endpoint (a refused connect is one)
+            outcome = "stream_error" if self.started else "dropped"
+            router.pool.request_failed(e, outcome)
+            router.metrics.count(e.name, outcome)
             self._settle(RETRY)
             return
         idle = isinstance(error, StreamIdle)  # the client has bytes already: end its answer
