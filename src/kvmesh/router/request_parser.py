@@ -190,6 +190,8 @@ class RequestParser:
         of the same prompt text: read-only); ``text``: the chat already rendered (else rendered
         here); ``cached`` False: computed without the tokenizer's caches (a thread holds
         them)."""
+        rid = headers.get("x-request-id")
+        check_request_id(rid, header=True)  # it goes into the endpoint's head and our logs
         ids: Sequence[int] = []
         keys: list[int] = []
         tokens, salt = self.tokens, fields.cache_salt
@@ -206,7 +208,5 @@ class RequestParser:
                 ids = prompt_token_ids(tokens.tokenizer, prompt, first_only=True)[0]
                 key = tokens.block_keys if cached else tokens.uncached_block_keys
                 keys = key(ids, salt) if ids else []
-        rid = headers.get("x-request-id")
-        check_request_id(rid, header=True)  # it goes into the endpoint's head and our logs
         rid = rid or f"{_ids.getrandbits(128):032x}"
         return SchedulingRequest(rid, fields.model, ids, keys, headers, self.block_size)
