@@ -248,7 +248,9 @@ class FleetSim(KVMoves):
         if result.prefill is not None and not refused:  # P/D: the prefill leg first
             self._prefill_leg(req, i, self._engine_of[id(result.prefill)], r.max_tokens, digests)
             return 0
-        self._loads[req.request_id] = forward_load.sent(chosen, req, self.state.approximate_index)
+        self._loads[req.request_id] = forward_load.sent(
+            chosen, req, self.state.approximate_index, now=self.now
+        )
         if refused:  # past the engine's context
             rec.refused = True
             return self._finish(rec, req.request_id)
@@ -314,7 +316,7 @@ class FleetSim(KVMoves):
             if rec.first_token is None:
                 rec.first_token = self.now
                 rec.cached_tokens = max(0, out.num_cached_tokens)
-                forward_load.prefilled(self._loads[out.request_id])
+                forward_load.prefilled(self._loads[out.request_id], self.now)
                 if self.transfers and out.request_id in self.transfers:
                     t = self.transfers[out.request_id]
                     t.decode_cached = rec.cached_tokens

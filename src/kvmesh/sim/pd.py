@@ -131,11 +131,11 @@ class KVMoves:
         )
         leg.hold_for_remote = True
         approx = self.state.approximate_index
-        load = forward_load.sent(self.engines[p].endpoint, req, approx)
+        load = forward_load.sent(self.engines[p].endpoint, req, approx, now=self.now)
         # the decode leg is charged from the pick, as the router charges it (router.handlers):
         # it carries the prefill's kv_transfer_params, so it is charged no prefill
         sink = self.engines[d].endpoint
-        self._loads[req.request_id] = forward_load.sent(sink, req, approx, False)
+        self._loads[req.request_id] = forward_load.sent(sink, req, approx, False, self.now)
         t = Transfer(p, d, "pd", leg, req, load, max_tokens)
         self.transfers[req.request_id] = self._legs[leg.request_id] = t
         self._add(p, leg)

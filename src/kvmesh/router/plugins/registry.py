@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 
 from kvmesh.router.plugin_params import with_defaults
 from kvmesh.router.plugins.filters import LabelSelectorFilter, ModelFilter, RoleFilter
+from kvmesh.router.plugins.latency import PredictedLatencyScorer, TTFTModel
 from kvmesh.router.plugins.pickers import (
     MaxScorePicker,
     RandomPicker,
@@ -89,6 +90,14 @@ _TYPES = (
         SCORER,
         lambda n, p, c: PlacementCostScorer(n, float(p["decodeWeight"]), float(p["waitingWeight"])),
         {"decodeWeight": 1.0, "waitingWeight": 1.0},
+    ),
+    PluginType(
+        "predicted-latency-scorer",
+        SCORER,
+        lambda n, p, c: PredictedLatencyScorer(
+            n, TTFTModel(int(p["windowSamples"]), int(p["refitEvery"]), int(p["minSamples"]))
+        ),
+        {"windowSamples": 512, "refitEvery": 16, "minSamples": 32},
     ),
     PluginType("queue-scorer", SCORER, lambda n, p, c: QueueScorer(n), {}),
     PluginType(

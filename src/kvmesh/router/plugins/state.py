@@ -65,6 +65,9 @@ class SchedulingState:
     precise: Mapping[str, float]  # leading blocks, weighted by medium (KV events)
     approximate: Mapping[str, int]  # leading blocks the router sent there
     profiles: dict[str, ProfileResult] = field(default_factory=dict)
+    # the chosen endpoint's features for a scorer that learns from the forward's first token
+    # (plugins.latency.Probe; router.forward_load reports it), None: no such scorer chose
+    probe: Any = None
     # derived from (precise, approximate) as they were when `_basis` was taken
     _basis: tuple[Mapping, Mapping] | None = field(default=None, repr=False, compare=False)
     _held: dict[str, float] = field(default_factory=dict, repr=False, compare=False)

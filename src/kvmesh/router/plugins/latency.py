@@ -1,0 +1,171 @@
+"""Predicted latency: each endpoint's time to first token for this request, learnt online from
+the router's own forwards (in the spirit of llm-d's predicted-latency, "SLO-aware", scheduling).
+
+At each pick the scorer records the chosen endpoint's features (`features`: what the router
+counts there, and what this request lacks there); when that forward's first token comes,
+router.forward_load reports the time it took (`TTFTModel.observed`). A least-squares fit of
+time on features, with every coefficient at least 0, over the last `window` reports and redone
+every `refit_every`, predicts each candidate's time, and the scorer maps them to [0, 1].
+
+What a feature costs is what the fleet shows, not what a model of the GPU says: where prefill is
+the slow part, an uncached token costs much and a request waiting costs little, and the scorer
+agrees with the placement cost; where the host is the slow part (engines starved of CPU, every
+engine step costing host time whatever its tokens), a request queued ahead costs as much as a
+long prefill, and the scorer spreads what the cache scorers would pile onto one holder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from textwrap import indent
+
+import numpy as np
+
+from kvmesh.router.plugins.base import PrefixReader, SchedulingRequest
+from kvmesh.router.plugins.scorers import IN_FLIGHT
+from kvmesh.router.plugins.terms import Term, TermScorer
+
+# the features of (endpoint, request), in this order: a constant; requests sent there that have
+# not had their first token (this router's count); prompt tokens waiting to be prefilled there
+# (router.forward_load) and this request's uncached tokens there, in thousands; requests in
+# flight there (scorers.IN_FLIGHT: the batch its prefill steps carry)
+FEATURES = ("constant", "prefilling", "pending_prefill_ktokens", "uncached_ktokens", "in_flight")
+MIN_SECONDS = 1e-6  # a prediction's floor: scores are ratios of predictions
+
+
+def nonnegative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least-squares coefficients of y on the columns of x, each at least 0: the unconstrained
+    fit over the columns kept, dropping the most negative coefficient's column until none is
+    negative (a column that explains nothing at all, as one always 0, gets 0)."""
+    keep = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while keep:
+        sol = np.linalg.lstsq(x[:, keep], y, rcond=None)[0]
+        worst = int(np.argmin(sol))
+        if sol[worst] >= 0:
+            coef[keep] = sol
+            break
+        del keep[worst]
+    return coef
+
+
+@dataclass(slots=True)
+class TTFTModel:
+    """Time to first token as a linear function of FEATURES, fitted over the last `window`
+    observations. Invariants: `count` observations are held, in rows of the ring `x`, `y`;
+    `coef` is None until `min_samples` have been observed, then the fit of the rows held at
+    the last refit; `prefilling[name]` is the number of probes started on `name` and neither
+    observed nor dropped."""
+
+    window: int = 512
+    refit_every: int = 16
+    min_samples: int = 32
+    coef: tuple[float, ...] | None = None
+    prefilling: dict[str, int] = field(default_factory=dict)
+    x: np.ndarray = field(init=False, repr=False)
+    y: np.ndarray = field(init=False, repr=False)
+    count: int = field(default=0, init=False)
+    next_row: int = field(default=0, init=False)
+    since_fit: int = field(default=0, init=False)
+    fits: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        if self.window < len(FEATURES) or self.refit_every < 1 or self.min_samples < 1:
+            raise ValueError(
+                f"windowSamples must be >= {len(FEATURES)}, refitEvery and minSamples >= 1"
+            )
+        self.x = np.zeros((self.window, len(FEATURES)))
+        self.y = np.zeros(self.window)
+
+    def predict(self, features: tuple[float, ...]) -> float | None:
+        """Seconds to first token (None: not fitted yet)."""
+        coef = self.coef
+        if coef is None:
+            return None
+        return max(MIN_SECONDS, sum(c * f for c, f in zip(coef, features, strict=True)))
+
+    def started(self, endpoint: str) -> None:
+        self.prefilling[endpoint] = self.prefilling.get(endpoint, 0) + 1
+
+    def dropped(self, endpoint: str) -> None:
+        """A started probe ended without a first token (failed, cancelled)."""
+        left = self.prefilling.get(endpoint, 0) - 1
+        if left > 0:
+            self.prefilling[endpoint] = left
+        else:
+            self.prefilling.pop(endpoint, None)
+
+    def observed(self, endpoint: str, features: tuple[float, ...], seconds: float) -> None:
+        """A started probe's first token came `seconds` after its forward was sent."""
+        self.dropped(endpoint)
+        if not seconds >= 0:  # (NaN too) a clock that went back: nothing learnt
+            return
+        self.x[self.next_row] = features
+        self.y[self.next_row] = seconds
+        self.next_row = (self.next_row + 1) % self.window
+        self.count = min(self.count + 1, self.window)
+        self.since_fit += 1
+        if self.count >= self.min_samples and (
+            self.coef is None or self.since_fit >= self.refit_every
+        ):
+            self.refit()
+
+    def refit(self) -> None:
+        n = self.count
+        self.coef = tuple(float(c) for c in nonnegative_fit(self.x[:n], self.y[:n]))
+        self.since_fit = 0
+        self.fits += 1
+
+
+@dataclass(slots=True)
+class Probe:
+    """One pick's chosen endpoint and its features then, reported to `model` by the forward
+    that sends the request there (router.forward_load)."""
+
+    model: TTFTModel
+    endpoint: str
+    features: tuple[float, ...]
+
+
+def features(model: TTFTModel, name: str, pending: int, uncached: int, in_flight: float) -> tuple:
+    """FEATURES of an endpoint `name` (its pending prefill, this request's uncached tokens
+    there, its requests in flight)."""
+    return (1.0, float(model.prefilling.get(name, 0)), pending / 1000, uncached / 1000, in_flight)
+
+
+@dataclass(slots=True)
+class PredictedLatencyScorer(PrefixReader, TermScorer):
+    """Best predicted time to first token over this endpoint's, by the fleet's fitted TTFTModel:
+    1 for the fastest, 0.5 for one twice as slow; 1 everywhere until the model has its first
+    fit. Its pick's features go with the request (state.probe) for the forward to report."""
+
+    term = Term(
+        setup="""_m = me.model
+_cf = _m.coef
+_pf = _m.prefilling
+_u = state.uncached_of(endpoints) if _cf is not None else None
+_p = []""",
+        gather=f"""if _cf is not None:
+    {indent(IN_FLIGHT, "    ").lstrip()}
+    _y = (_cf[0] + _cf[1] * _pf.get(name, 0) + _cf[2] * e.pending_prefill_tokens / 1000
+          + _cf[3] * _u[i] / 1000 + _cf[4] * _x)
+    _p.append(_y if _y > {MIN_SECONDS} else {MIN_SECONDS})""",
+        finish="_b = min(_p) if _p else 0.0",
+        uniform="1.0 if _cf is None else None",
+        score="_b / _p[i]",
+    )
+
+    name: str
+    model: TTFTModel
+
+    def chosen(self, req: SchedulingRequest, endpoint) -> None:
+        state = req.state
+        busy = max(endpoint.in_flight, endpoint.running + endpoint.waiting)  # IN_FLIGHT
+        x = features(
+            self.model,
+            endpoint.name,
+            endpoint.pending_prefill_tokens,
+            state.uncached_tokens(endpoint.name),
+            busy,
+        )
+        state.probe = Probe(self.model, endpoint.name, x)

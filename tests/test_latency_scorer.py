@@ -1,0 +1,175 @@
+"""The predicted-latency scorer (router.plugins.latency): its online fit of time to first token,
+its scores, the forward bookkeeping that reports first tokens to it, and its place in a
+pipeline, in the router's clock and the simulator's."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from kvmesh.router import forward_load
+from kvmesh.router.approx_index import ApproximateIndex
+from kvmesh.router.endpoints import Endpoint
+from kvmesh.router.plugins import SchedulingRequest, build_plugin
+from kvmesh.router.plugins.latency import (
+    FEATURES,
+    PredictedLatencyScorer,
+    Probe,
+    TTFTModel,
+    nonnegative_fit,
+)
+from kvmesh.router.plugins.state import SchedulingState
+
+# seconds per unit of each feature, in FEATURES order
+HOST_BOUND = (0.5, 0.4, 0.01, 0.01, 0.05)  # a request queued ahead costs as much as a long prefill
+GPU_BOUND = (0.01, 0.0, 0.02, 0.03, 0.001)  # an uncached token is what costs
+
+
+def samples(coef, n: int, seed: int = 0, noise: float = 0.0):
+    rng = random.Random(seed)
+    for _ in range(n):
+        x = (1.0, rng.randrange(6), rng.uniform(0, 20), rng.uniform(0, 8), rng.randrange(30))
+        y = sum(c * f for c, f in zip(coef, x, strict=True)) + rng.gauss(0, noise)
+        yield x, y
+
+
+def trained(coef, n: int = 64) -> TTFTModel:
+    model = TTFTModel()
+    for x, y in samples(coef, n):
+        model.observed("any", x, y)
+    return model
+
+
+def test_the_fit_recovers_known_coefficients_from_noisy_samples():
+    model = TTFTModel(window=512, refit_every=16, min_samples=32)
+    for x, y in samples(HOST_BOUND, 512, noise=0.01):
+        model.observed("e", x, y)
+    assert model.coef is not None and len(model.coef) == len(FEATURES)
+    assert model.coef == pytest.approx(HOST_BOUND, abs=0.01)
+
+
+def test_no_coefficient_is_negative_and_a_prediction_stays_positive():
+    """Times that fall as a feature grows (noise, or a feature standing in for another) give
+    that feature 0, never a negative price that would make a busier endpoint look faster."""
+    rng = np.random.default_rng(0)
+    x = np.column_stack([np.ones(200), rng.uniform(0, 10, 200)])
+    y = 2.0 - 0.15 * x[:, 1] + rng.normal(0, 0.01, 200)
+    coef = nonnegative_fit(x, y)
+    assert coef[1] == 0.0 and coef[0] == pytest.approx(y.mean())
+    model = trained((0.0, 0.0, 0.0, 0.0, 0.0))
+    assert model.predict((1.0, 0.0, 0.0, 0.0, 0.0)) > 0
+
+
+def test_nothing_is_predicted_until_min_samples_then_refits_every_refit_every():
+    model = TTFTModel(window=64, refit_every=8, min_samples=20)
+    stream = samples(GPU_BOUND, 100)
+    for x, y in (next(stream) for _ in range(19)):
+        model.observed("e", x, y)
+    assert model.coef is None and model.predict((1.0, 0, 0, 0, 0)) is None
+    model.observed("e", *next(stream))
+    assert model.fits == 1
+    for x, y in (next(stream) for _ in range(7)):
+        model.observed("e", x, y)
+    assert model.fits == 1
+    model.observed("e", *next(stream))
+    assert model.fits == 2
+
+
+def test_the_window_forgets_a_regime_that_ended():
+    model = TTFTModel(window=128, refit_every=16, min_samples=32)
+    for x, y in samples(GPU_BOUND, 300, seed=1):
+        model.observed("e", x, y)
+    for x, y in samples(HOST_BOUND, 128, seed=2):
+        model.observed("e", x, y)
+    model.refit()  # (the last refit came up to refit_every reports ago)
+    assert model.coef == pytest.approx(HOST_BOUND, abs=1e-6)
+
+
+def test_a_clock_that_went_back_teaches_nothing():
+    model = TTFTModel(min_samples=1)
+    model.observed("e", (1.0, 0, 0, 0, 0), -0.5)
+    model.observed("e", (1.0, 0, 0, 0, 0), float("nan"))
+    assert model.count == 0 and model.coef is None
+
+
+def endpoint(name: str, pending: int = 0, in_flight: int = 0) -> Endpoint:
+    e = Endpoint(f"http://{name}:1", name=name)
+    e.pending_prefill_tokens, e.in_flight = pending, in_flight
+    return e
+
+
+def request(held: dict[str, int], blocks: int = 256) -> SchedulingRequest:
+    """A prompt of `blocks` 16-token blocks, of which each endpoint holds `held` leading."""
+    req = SchedulingRequest("r", None, list(range(blocks * 16)), list(range(blocks)), {}, 16)
+    req.state = SchedulingState(blocks * 16, 16, blocks, {}, held)
+    return req
+
+
+def test_every_endpoint_scores_1_until_the_model_has_a_fit():
+    scorer = PredictedLatencyScorer("p", TTFTModel())
+    eps = [endpoint("a", pending=4000, in_flight=9), endpoint("b")]
+    assert scorer.score(request({"a": 250}), eps) == [1.0, 1.0]
+
+
+def test_a_queued_holder_scores_below_an_idle_engine_where_the_host_is_slow_not_the_gpu():
+    """The holder of the prompt's context has three requests awaiting their first token and
+    their prefill queued; the other engine is idle and would compute the whole prompt (4,096
+    tokens). Where queues cost (host-bound fit), the idle engine is predicted first; where
+    prefill costs (GPU-bound fit), the holder is."""
+    for coef, holder_wins in ((HOST_BOUND, False), (GPU_BOUND, True)):
+        model = trained(coef)
+        for _ in range(3):
+            model.started("holder")
+        scorer = PredictedLatencyScorer("p", model)
+        eps = [endpoint("holder", pending=1500, in_flight=6), endpoint("idle")]
+        holder, idle = scorer.score(request({"holder": 250}), eps)
+        assert (holder > idle) is holder_wins
+        assert max(holder, idle) == 1.0 and 0.0 < min(holder, idle) < 1.0
+
+
+def test_the_forward_reports_the_chosen_endpoints_first_token_on_the_callers_clock():
+    model = TTFTModel(min_samples=1)
+    scorer = PredictedLatencyScorer("p", model)
+    a, b = endpoint("a", pending=2000, in_flight=3), endpoint("b")
+    req = request({"a": 200})
+    scorer.chosen(req, a)
+    assert req.state.probe.endpoint == "a"
+    assert req.state.probe.features == (1.0, 0.0, 2.0, 56 * 16 / 1000, 3)
+    load = forward_load.sent(a, req, ApproximateIndex(), now=10.0)
+    assert model.prefilling == {"a": 1}
+    forward_load.prefilled(load, now=10.25)
+    forward_load.prefilled(load, now=99.0)  # once only
+    assert model.prefilling == {} and model.count == 1 and model.y[0] == 0.25
+    forward_load.finished(load)
+    assert model.count == 1 and model.prefilling == {}
+    # another endpoint than the probe's (a retry's), or a decode leg (P/D): no probe started
+    other = forward_load.sent(b, req, ApproximateIndex(), now=11.0)
+    decode = forward_load.sent(a, req, ApproximateIndex(), computes_prompt=False, now=11.0)
+    assert other.probe is None and decode.probe is None and model.prefilling == {}
+
+
+def test_a_forward_that_ends_without_a_first_token_drops_its_probe_unreported():
+    model = TTFTModel(min_samples=1)
+    req = request({})
+    a = endpoint("a")
+    req.state.probe = Probe(model, "a", (1.0, 0.0, 0.0, 4.096, 0))
+    load = forward_load.sent(a, req, ApproximateIndex())  # the router's clock: monotonic
+    assert model.prefilling == {"a": 1}
+    forward_load.finished(load)
+    assert model.prefilling == {} and model.count == 0 and a.pending_prefill_tokens == 0
+
+
+def test_the_scorer_is_configured_by_name_with_its_parameters():
+    scorer = build_plugin(
+        "predicted-latency-scorer",
+        "lat",
+        {"windowSamples": 64, "refitEvery": 4, "minSamples": 8},
+        None,
+    )
+    assert isinstance(scorer, PredictedLatencyScorer)
+    m = scorer.model
+    assert (m.window, m.refit_every, m.min_samples) == (64, 4, 8)
+    with pytest.raises(ValueError, match="windowSamples"):
+        build_plugin("predicted-latency-scorer", "lat", {"windowSamples": 2}, None)
