@@ -33,12 +33,14 @@ from pathlib import Path
 
 from kvmesh.bench import cli_args, workloads
 from kvmesh.bench.chaos_procs import port_block
+from kvmesh.bench.kv_regime import regime, regime_line
 from kvmesh.bench.loadgen import run_workload
 from kvmesh.bench.router_rounds import median_rows
 from kvmesh.bench.up_procs import (
     Group,
     busy_processes,
     health_probe,
+    kv_cache_tokens,
     router_view,
     timeline_restarts,
     wait_healthy,
@@ -102,6 +104,7 @@ async def measure(
             await wait_healthy(
                 s.engines if cmd is not s.commands[-1] else s.engines + [s.router], group
             )
+        caches = await kv_cache_tokens(s.engines)
         stop = asyncio.Event()
         stalls = {
             "router": asyncio.create_task(health_probe(s.router, stop)),
@@ -147,6 +150,7 @@ async def measure(
             (round(100 * (v - cpu0.get(k, 0.0)) / wall) for k, v in cpu1.items()), reverse=True
         ),
         "client_cpu_pct": round(100 * mine / wall),
+        "kv_cache_tokens": caches,
         "engine_steps": steps,
         "engine_steps_off_timeline": late,
         "sigterm_stop_s": stop_s,
@@ -227,6 +231,21 @@ def ratio_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+def cache_lines(wl: workloads.Workload, rows: dict[str, dict]) -> list[str]:
+    """The KV cache each setup's engines declared, once per distinct fleet; for shared-prefix
+    groups, how many of their prefixes one engine and the fleet can hold (kv_regime)."""
+    lines: dict[str, list[str]] = {}
+    for label, result in rows.items():
+        caches = result.get("kv_cache_tokens") or []
+        if wl.kind == "shared-prefix":
+            sp = regime(caches, wl.params["groups"], wl.params["system_tokens"])
+            line = regime_line(sp)
+        else:
+            line = f"KV cache per engine, tokens: {caches}"
+        lines.setdefault(line, []).append(label.split(" [")[0])
+    return [f"{line} [{', '.join(dict.fromkeys(who))}]" for line, who in lines.items()]
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", type=int, default=4, help="Emulated engines N [4].")
     p.add_argument("--setups", default="b,c", help="Which of a (old up), b (up), c [b,c].")
@@ -281,7 +300,7 @@ def main(args: argparse.Namespace) -> int:
     failed = [f"{label}: {res['errors']} of {res['requests']} requests failed"
               for label, res in rows.items() if res["errors"]]  # fmt: skip
     text = "\n".join([*(f"FAILED {line}" for line in failed), table(rows), "",
-                      *ratio_lines(compared)])  # fmt: skip
+                      *cache_lines(wl, rows), *ratio_lines(compared)])  # fmt: skip
     print(text)
     doc = {
         "args": {k: v for k, v in vars(args).items() if k != "func"},

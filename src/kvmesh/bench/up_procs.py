@@ -17,6 +17,7 @@ from pathlib import Path
 import aiohttp
 
 from kvmesh.bench.fleet_engines import ADMIN_KEY, admin_headers
+from kvmesh.bench.kv_regime import cache_tokens
 from kvmesh.bench.router_procs import group_members
 from kvmesh.protocol.prom import parse_samples
 from kvmesh.protocol.stats import percentile
@@ -206,3 +207,16 @@ async def timeline_restarts(engines: list[str]) -> tuple[int, int]:
                 steps += int(doc.get("steps", 0))
                 late += int(doc.get("timeline_restarts", 0))
     return steps, late
+
+
+async def kv_cache_tokens(engines: list[str]) -> list[int | None]:
+    """Each engine's KV cache in tokens, as its /metrics declares it (None where it does not)."""
+    out: list[int | None] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+        for url in engines:
+            text = ""
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with http.get(url + "/metrics") as resp:
+                    text = await resp.text()
+            out.append(cache_tokens(text))
+    return out
