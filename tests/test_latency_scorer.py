@@ -5,13 +5,16 @@ pipeline, in the router's clock and the simulator's."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import yaml
 
 from kvmesh.router import forward_load
 from kvmesh.router.approx_index import ApproximateIndex
 from kvmesh.router.endpoints import Endpoint
+from kvmesh.router.pipeline import PRESETS, Pipeline
 from kvmesh.router.plugins import SchedulingRequest, build_plugin
 from kvmesh.router.plugins.latency import (
     FEATURES,
@@ -113,20 +116,36 @@ def test_every_endpoint_scores_1_until_the_model_has_a_fit():
     assert scorer.score(request({"a": 250}), eps) == [1.0, 1.0]
 
 
-def test_a_queued_holder_scores_below_an_idle_engine_where_the_host_is_slow_not_the_gpu():
-    """The holder of the prompt's context has three requests awaiting their first token and
-    their prefill queued; the other engine is idle and would compute the whole prompt (4,096
-    tokens). Where queues cost (host-bound fit), the idle engine is predicted first; where
-    prefill costs (GPU-bound fit), the holder is."""
-    for coef, holder_wins in ((HOST_BOUND, False), (GPU_BOUND, True)):
-        model = trained(coef)
-        for _ in range(3):
-            model.started("holder")
-        scorer = PredictedLatencyScorer("p", model)
-        eps = [endpoint("holder", pending=1500, in_flight=6), endpoint("idle")]
-        holder, idle = scorer.score(request({"holder": 250}), eps)
-        assert (holder > idle) is holder_wins
-        assert max(holder, idle) == 1.0 and 0.0 < min(holder, idle) < 1.0
+def queued_holder_and_idle(coef, include_tokens: bool = False) -> tuple[float, float]:
+    """The scores of an engine that holds 4,000 of the prompt's 4,096 tokens and has three
+    requests awaiting their first token (six in flight, 1,500 tokens of prefill queued), and
+    of an idle engine that holds none, under a model fitted to `coef`."""
+    model = trained(coef)
+    for _ in range(3):
+        model.started("holder")
+    scorer = PredictedLatencyScorer("p", model, include_tokens)
+    eps = [endpoint("holder", pending=1500, in_flight=6), endpoint("idle")]
+    holder, idle = scorer.score(request({"holder": 250}), eps)
+    return holder, idle
+
+
+def test_a_queue_is_priced_in_prompt_tokens_at_the_rate_the_fit_shows():
+    """Host-bound (a queued request costs what ~40 uncached blocks do): the holder's queue is
+    worth several prompts, and the idle engine scores far above it. GPU-bound (a request in
+    flight costs what a few tokens do): the queue barely moves the score."""
+    holder, idle = queued_holder_and_idle(HOST_BOUND)
+    assert idle == 1.0 and holder < 0.25
+    holder, idle = queued_holder_and_idle(GPU_BOUND)
+    assert idle == 1.0 and holder > 0.95
+
+
+def test_with_include_tokens_the_score_is_the_whole_predicted_time_to_first_token():
+    """The holder computes 96 tokens, the idle engine 4,096: where prefill is the slow part the
+    holder is predicted first, where the host is, the idle engine."""
+    holder, idle = queued_holder_and_idle(GPU_BOUND, include_tokens=True)
+    assert holder == 1.0 and 0.0 < idle < 0.5
+    holder, idle = queued_holder_and_idle(HOST_BOUND, include_tokens=True)
+    assert idle == 1.0 and 0.0 < holder < 0.5
 
 
 def test_the_forward_reports_the_chosen_endpoints_first_token_on_the_callers_clock():
@@ -171,5 +190,54 @@ def test_the_scorer_is_configured_by_name_with_its_parameters():
     assert isinstance(scorer, PredictedLatencyScorer)
     m = scorer.model
     assert (m.window, m.refit_every, m.min_samples) == (64, 4, 8)
+    assert not scorer.include_tokens
     with pytest.raises(ValueError, match="windowSamples"):
         build_plugin("predicted-latency-scorer", "lat", {"windowSamples": 2}, None)
+
+
+class Held:
+    """A prefix index with a fixed answer."""
+
+    def __init__(self, answer: dict) -> None:
+        self.answer = answer
+
+    def longest_match(self, keys, endpoints=None) -> dict:
+        return dict(self.answer)
+
+
+def preset_pick(preset: str, coef) -> str:
+    """What `preset` picks for a 4,096-token prompt whose context (all but 96 tokens, by both
+    indexes) is held by an engine with three requests awaiting their first token, against an
+    idle engine holding the shared first 1,024 tokens, its latency model fitted to `coef`."""
+    ctx = SimpleNamespace(
+        precise_index=Held({"holder": 250, "idle": 64}),
+        approximate_index=Held({"holder": 250, "idle": 64}),
+    )
+    pipeline = Pipeline.preset(preset, ctx)
+    eps = [endpoint("holder", pending=1500, in_flight=3), endpoint("idle")]
+    for plugin in pipeline.plugins.values():
+        if isinstance(plugin, PredictedLatencyScorer):
+            plugin.model = trained(coef)
+            for _ in range(3):
+                plugin.model.started("holder")
+    req = request({})
+    return pipeline.schedule(req, eps).primary.name
+
+
+def test_the_default_preset_spreads_a_queue_where_the_host_is_slow_and_follows_the_cache_else():
+    assert preset_pick("kvmesh", HOST_BOUND) == "idle"
+    assert preset_pick("kvmesh", GPU_BOUND) == "holder"
+    # the preset without the scorer follows the cache whatever the fleet's times say
+    assert preset_pick("kvmesh-affinity", HOST_BOUND) == "holder"
+
+
+def test_the_affinity_preset_is_the_default_less_its_predicted_latency_scorer():
+    kvmesh, affinity = (yaml.safe_load(PRESETS[n]) for n in ("kvmesh", "kvmesh-affinity"))
+    assert [p for p in kvmesh["plugins"] if p["type"] != "predicted-latency-scorer"] == (
+        affinity["plugins"]
+    )
+    refs = kvmesh["schedulingProfiles"][0]["plugins"]
+    assert {"pluginRef": "predicted-latency-scorer", "weight": 32} in refs
+    assert [r for r in refs if r["pluginRef"] != "predicted-latency-scorer"] == (
+        affinity["schedulingProfiles"][0]["plugins"]
+    )

@@ -73,7 +73,12 @@ schedulingProfiles:
     # spreads cold prompts; the prompt tokens in flight on each endpoint (token load) keep
     # long contexts from piling onto the engines that hold shared prefixes while others idle:
     # a decode step reads every running context; tuned with `kvmesh sim` on the agentic
-    # workload (open and closed loop, --agents) and the Mooncake trace
+    # workload (open and closed loop, --agents) and the Mooncake trace. The requests queued on
+    # each endpoint are priced in prompt tokens at the rate the fleet's own times to first
+    # token show (predicted latency): a few tokens each where prefill is the slow part, where
+    # this weight changes nothing `kvmesh sim` shows; thousands where the host is (engines
+    # starved of CPU, a step costing host time whatever its tokens), where it spreads what
+    # affinity would queue on a holder
     "kvmesh": """
 plugins:
 - {type: precise-prefix-cache-scorer}
@@ -85,6 +90,7 @@ plugins:
 - {type: session-affinity-scorer}
 - {type: no-hit-lru-scorer}
 - {type: token-load-scorer, parameters: {queueThresholdTokens: 262144}}
+- {type: predicted-latency-scorer}
 schedulingProfiles:
 - name: default
   plugins:
@@ -97,6 +103,7 @@ schedulingProfiles:
   - {pluginRef: session-affinity-scorer, weight: 1}
   - {pluginRef: no-hit-lru-scorer, weight: 1}
   - {pluginRef: token-load-scorer, weight: 4}
+  - {pluginRef: predicted-latency-scorer, weight: 32}
 """,
     # selective P/D over endpoints labelled llm-d.ai/role: prefill | decode | both. A decode
     # step reads every running context, and the ranks of a wide-EP instance step together, so
@@ -123,6 +130,10 @@ schedulingProfiles:
             {pluginRef: queue-scorer, weight: 2}, {pluginRef: active-request-scorer, weight: 2}]
 """,
 }
+# the kvmesh preset without its predicted-latency scorer (the default before it), for A/B runs
+PRESETS["kvmesh-affinity"] = "\n".join(
+    line for line in PRESETS["kvmesh"].splitlines() if "predicted-latency" not in line
+)
 
 
 @dataclass(slots=True)

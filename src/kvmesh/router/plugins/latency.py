@@ -135,28 +135,50 @@ def features(model: TTFTModel, name: str, pending: int, uncached: int, in_flight
 
 @dataclass(slots=True)
 class PredictedLatencyScorer(PrefixReader, TermScorer):
-    """Best predicted time to first token over this endpoint's, by the fleet's fitted TTFTModel:
-    1 for the fastest, 0.5 for one twice as slow; 1 everywhere until the model has its first
-    fit. Its pick's features go with the request (state.probe) for the forward to report."""
+    """Scores each endpoint by the fleet's fitted TTFTModel; 1 everywhere until its first fit.
+    Its pick's features go with the request (state.probe) for the forward to report.
+
+    By default, the requests already on each endpoint (those awaiting their first token, those
+    in flight), priced in prompt tokens at the fit's exchange rate (what they add to the time
+    to first token over what a prompt token does): n / (n + Q - Qmin) for an n-token prompt, Q
+    an endpoint's queue in tokens, as the placement cost scores its own tokens. Where prefill is
+    the slow part a queued request is worth a few tokens and the score stays near 1 everywhere;
+    where the host is, it is worth thousands and a long queue scores near 0. Prompt tokens,
+    cached or pending, are left to the scorers that price them (prefix, placement): a second
+    pull towards a prompt's holder packs sessions onto it (`kvmesh sim`'s closed loop lost a
+    fifth of its output so).
+
+    With `include_tokens`, the whole prediction: the best predicted time to first token over
+    this endpoint's (1 for the fastest, 0.5 for one twice as slow)."""
 
     term = Term(
         setup="""_m = me.model
 _cf = _m.coef
 _pf = _m.prefilling
-_u = state.uncached_of(endpoints) if _cf is not None else None
+_tk = me.include_tokens
+_u = state.uncached_of(endpoints) if _cf is not None and _tk else None
 _p = []""",
         gather=f"""if _cf is not None:
     {indent(IN_FLIGHT, "    ").lstrip()}
-    _y = (_cf[0] + _cf[1] * _pf.get(name, 0) + _cf[2] * e.pending_prefill_tokens / 1000
-          + _cf[3] * _u[i] / 1000 + _cf[4] * _x)
-    _p.append(_y if _y > {MIN_SECONDS} else {MIN_SECONDS})""",
-        finish="_b = min(_p) if _p else 0.0",
+    _r = _cf[1] * _pf.get(name, 0) + _cf[4] * _x
+    if _tk:
+        _r += _cf[0] + _cf[2] * e.pending_prefill_tokens / 1000 + _cf[3] * _u[i] / 1000
+        _r = _r if _r > {MIN_SECONDS} else {MIN_SECONDS}
+    _p.append(_r)""",
+        finish="""if _p:
+    _b = min(_p)
+    if _tk:
+        _n, _k = _b, 1.0
+    else:
+        _n = float(len(req.token_ids) or 1)
+        _k = 1000.0 / max(_cf[2], _cf[3], 1e-9)""",
         uniform="1.0 if _cf is None else None",
-        score="_b / _p[i]",
+        score="_n / (_n + (_p[i] - _b) * _k)",
     )
 
     name: str
     model: TTFTModel
+    include_tokens: bool = False  # includeTokens
 
     def chosen(self, req: SchedulingRequest, endpoint) -> None:
         state = req.state

@@ -95,9 +95,11 @@ _TYPES = (
         "predicted-latency-scorer",
         SCORER,
         lambda n, p, c: PredictedLatencyScorer(
-            n, TTFTModel(int(p["windowSamples"]), int(p["refitEvery"]), int(p["minSamples"]))
+            n,
+            TTFTModel(int(p["windowSamples"]), int(p["refitEvery"]), int(p["minSamples"])),
+            bool(p["includeTokens"]),
         ),
-        {"windowSamples": 512, "refitEvery": 16, "minSamples": 32},
+        {"windowSamples": 512, "refitEvery": 16, "minSamples": 32, "includeTokens": False},
     ),
     PluginType("queue-scorer", SCORER, lambda n, p, c: QueueScorer(n), {}),
     PluginType(
