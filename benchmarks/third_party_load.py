@@ -5,10 +5,19 @@ up`; `separate`: `kvmesh serve` + `kvmesh router`, KV events over tcp://) and pr
 processes on free ports, the hit rate from the engines' prefix-cache counters before and after,
 TTFT and failures from GuideLLM's JSON report. Failures come first; a run with any gives no ratio.
 Emulated engines run in slow motion (--emulate-time-scale K) so the host is not the bottleneck:
-GuideLLM measures wall time, K times the emulated one; ratios are unaffected.
+GuideLLM measures wall time, K times the emulated one; ratios are unaffected (--rate is per
+wall second: K times it per emulated second).
+
+The report states the engines' KV cache (from their /metrics) against the groups' prefixes.
+Cache-aware routing is for groups whose prefixes together exceed one engine's cache but fit the
+fleet's; with the emulated H100's default cache one engine holds all 8 default groups, so give
+the engines a smaller one through --serve-args, e.g. 16 groups of 3,000 tokens on caches of
+16,384 tokens (one engine holds 5 groups, the fleet of 4 holds 21):
 
   python3 -m venv .venv-loadgen && .venv-loadgen/bin/pip install guidellm==0.8.1
   .venv/bin/python benchmarks/third_party_load.py --rounds 2
+  .venv/bin/python benchmarks/third_party_load.py --prefix-groups 16 --requests 256 \
+      --serve-args "--num-gpu-blocks 1024"
 """
 
 from __future__ import annotations
@@ -19,7 +28,6 @@ import json
 import os
 import shlex
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -29,6 +37,8 @@ from itertools import chain
 from pathlib import Path
 
 from kvmesh.bench.chaos_procs import port_block
+from kvmesh.bench.guidellm_report import failures, parse_report, summarize, table
+from kvmesh.bench.kv_regime import cache_tokens, regime, regime_line
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL_BIN = ROOT / ".venv-loadgen" / "bin" / "guidellm"
@@ -51,7 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=128, help="question after the prefix")
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--serve-args", default="", help="more flags for the engines")
+    p.add_argument(
+        "--serve-args", default="", help="more flags for the engines, e.g. --num-gpu-blocks N"
+    )
     p.add_argument("--tool", default=str(TOOL_BIN), help="the guidellm executable")
     p.add_argument("--out", default="bench-results/third_party_load")
     return p.parse_args(argv)
@@ -149,41 +161,6 @@ def run_tool(cmd: list[str], out: Path, timeout: float) -> None:
         raise RuntimeError(f"guidellm exited {rc.returncode}:\n{tail}")
 
 
-def parse_report(path: Path) -> dict:
-    """What one GuideLLM JSON report says of its (single) benchmark: requests, failures with
-    their messages, and TTFT (ms, wall clock) of the successful requests."""
-    doc = json.loads(path.read_text())
-    bench = doc["benchmarks"][0]
-    totals = bench["metrics"]["request_totals"]
-    ttft = bench["metrics"]["time_to_first_token_ms"]["successful"]
-    errors = Counter()
-    for kind in ("errored", "incomplete"):
-        for req in bench["requests"].get(kind) or []:
-            msg = str((req.get("info") or {}).get("error") or kind).splitlines()[0]
-            errors[msg[:160]] += 1
-    # a request GuideLLM sent but left out of every list (seen once: "processing_requests": 1
-    # at the end of a run) is counted as failed, not silently dropped
-    lost = bench["scheduler_state"]["created_requests"] - totals["total"]
-    if lost > 0:
-        errors["sent by GuideLLM but missing from its report"] = lost
-    # GuideLLM 0.8.1's Poisson start can race (its workers read the arrival offset before it is
-    # set): arrival times then lie before the run's start and every request goes out at once
-    start, reqs = bench["scheduler_state"]["start_time"], bench["requests"].values()
-    times = [r["info"].get("timings", {}) for rs in reqs for r in rs or [] if r.get("info")]
-    burst = sum(1 for t in times if t.get("targeted_start", start) < start - 1.0)
-    return {
-        "tool_version": doc["metadata"]["guidellm_version"],
-        "requests": totals["total"] + max(lost, 0),
-        "successful": totals["successful"],
-        "failed": totals["errored"] + totals["incomplete"] + max(lost, 0),
-        "errors": dict(errors),
-        "burst": burst,
-        "ttft_ms_p50": ttft["percentiles"]["p50"] if ttft["count"] else None,
-        "ttft_ms_p90": ttft["percentiles"]["p90"] if ttft["count"] else None,
-        "ttft_ms_mean": ttft["mean"] if ttft["count"] else None,
-    }
-
-
 def run_one(args: argparse.Namespace, stack: str, preset: str, rnd: int, tok: Path) -> dict:
     out = Path(args.out) / f"r{rnd}-{stack}-{preset}"
     out.mkdir(parents=True, exist_ok=True)
@@ -196,6 +173,7 @@ def run_one(args: argparse.Namespace, stack: str, preset: str, rnd: int, tok: Pa
             for i, cmd in enumerate(cmds):
                 procs.append(subprocess.Popen(cmd, stdout=fh, stderr=fh, start_new_session=True))
                 wait_health(engines if i < len(cmds) - 1 else [*engines, router], procs, log)
+        caches = [cache_tokens(get(f"{url}/metrics")) for url in engines]
         before = cache_counters(engines)
         report = out / "guidellm.json"
         cmd = tool_command(args, router, tok, report)
@@ -208,6 +186,7 @@ def run_one(args: argparse.Namespace, stack: str, preset: str, rnd: int, tok: Pa
     # each engine's share of the prompt tokens: how the router spread the work
     shares = [round(c[QUERIES] / q, 3) if q else None for c in after]
     ran = {"tool_command": cmd, "stack_commands": cmds, "hit_rate": hit, "engine_shares": shares}
+    ran["kv_cache_tokens"] = caches
     return {"stack": stack, "preset": preset, "round": rnd} | parse_report(report) | ran
 
 
@@ -219,71 +198,11 @@ def broken_run(args: argparse.Namespace, stack: str, preset: str, rnd: int, exc:
     return {"stack": stack, "preset": preset, "round": rnd, "tool_command": []} | none | failed
 
 
-def med(values: list) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
-def summarize(runs: list[dict], scale: float) -> list[dict]:
-    """One row per (stack, preset), medians over rounds; the ratio to round-robin's of the same
-    stack only where neither side had a failed request."""
-    groups: dict[tuple[str, str], list[dict]] = {}
-    for r in (r for r in runs if not r["burst"]):  # not the workload asked for: left out
-        groups.setdefault((r["stack"], r["preset"]), []).append(r)
-    rows = {}
-    for (stack, preset), rs in groups.items():
-        row = rows[stack, preset] = {"stack": stack, "preset": preset} | {
-            "rounds": len(rs),
-            "requests": sum(r["requests"] for r in rs),
-            "failed": sum(r["failed"] for r in rs),
-            "hit_rate": med([r["hit_rate"] for r in rs]),
-        }
-        for k in ("p50", "p90", "mean"):
-            v = row[f"ttft_ms_{k}"] = med([r[f"ttft_ms_{k}"] for r in rs])
-            row[f"ttft_emulated_ms_{k}"] = None if v is None else v / scale
-    for row in rows.values():
-        rr = rows.get((row["stack"], "round-robin"))
-        for k in ("p50", "p90"):
-            ok = rr and not row["failed"] and not rr["failed"] and rr[f"ttft_ms_{k}"]
-            ok = ok and row[f"ttft_ms_{k}"] is not None
-            row[f"vs_rr_{k}"] = round(row[f"ttft_ms_{k}"] / rr[f"ttft_ms_{k}"], 2) if ok else None
-    return list(rows.values())
-
-
-def fmt(v: float | None, digits: int = 0) -> str:
-    return "n/a" if v is None else f"{v:.{digits}f}"
-
-
-def table(rows: list[dict], scale: float) -> str:
-    head = (
-        "| stack | preset | requests | failed | hit rate | TTFT p50 ms | p90 ms | mean ms "
-        f"| emulated (÷{scale:g}) p50 / p90 / mean ms | p50 vs RR | p90 vs RR |"
-    )
-    lines = [head, "|" + "---|" * 11]
-    for r in rows:
-        emu = " / ".join(fmt(r[f"ttft_emulated_ms_{k}"], 1) for k in ("p50", "p90", "mean"))
-        lines.append(
-            f"| {r['stack']} | {r['preset']} | {r['requests']} | {r['failed']} "
-            f"| {fmt(r['hit_rate'], 3)} | {fmt(r['ttft_ms_p50'])} | {fmt(r['ttft_ms_p90'])} "
-            f"| {fmt(r['ttft_ms_mean'])} | {emu} | {fmt(r['vs_rr_p50'], 2)} "
-            f"| {fmt(r['vs_rr_p90'], 2)} |"
-        )
-    return "\n".join(lines)
-
-
-def failures(runs: list[dict]) -> list[str]:
-    lines = [
-        f"LEFT OUT: {r['stack']}/{r['preset']} round {r['round']}: GuideLLM sent {r['burst']} "
-        f"of {r['requests']} requests at once, not as Poisson arrivals"
-        for r in runs
-        if r["burst"]
-    ]
-    return lines + [
-        f"FAILED: {r['stack']}/{r['preset']} round {r['round']}: {r['failed']} of "
-        f"{r['requests']} requests: {r['errors']}"
-        for r in runs
-        if r["failed"]
-    ]
+def fleet_regime(runs: list[dict], args: argparse.Namespace) -> dict:
+    """The engines' KV caches (as the first run that read them found them) against the prefix
+    groups: whether one engine holds every group's prefix, or only the fleet does."""
+    caches = next((r["kv_cache_tokens"] for r in runs if r.get("kv_cache_tokens")), [])
+    return regime(caches or [None] * args.engines, args.prefix_groups, args.prefix_tokens)
 
 
 def git(*args: str) -> str:
@@ -337,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         table(rows, args.emulate_time_scale),
         "",
+        regime_line(fleet_regime(runs, args)),
         f"tool: {version.stdout.strip()} (shared-prefix synthetic_text, poisson)",
         f"command: {shlex.join([sys.executable, *sys.argv])}",
         f"tool command (one run): {shlex.join(max(r['tool_command'] for r in runs))}",
@@ -348,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     (out / "third_party_load.md").write_text(text + "\n")
     doc = {"config": vars(args), "tool": version.stdout.strip(), "commit": commit}
-    doc |= {"summary": rows, "runs": runs}
+    doc |= {"summary": rows, "runs": runs, "kv_regime": fleet_regime(runs, args)}
     (out / "third_party_load.json").write_text(json.dumps(doc, indent=1, default=str))
     return 1 if any(r["failed"] for r in runs) else 0
 

@@ -103,6 +103,18 @@ def test_no_ratio_from_a_run_with_failures_and_medians_over_rounds():
     assert tpl.failures([burst])[0].startswith("LEFT OUT: up/kvmesh round 2")
 
 
+def test_the_report_states_the_fleets_kv_caches_against_the_groups():
+    tpl = load_script()
+    args = tpl.parse_args(["--prefix-groups", "16", "--serve-args", "--num-gpu-blocks 1024"])
+    assert args.serve_args == "--num-gpu-blocks 1024"
+    broken = tpl.broken_run(args, "up", "kvmesh", 0, RuntimeError("no stack"))
+    runs = [broken, run("up", "kvmesh", 0, 5.0) | {"kv_cache_tokens": [16384] * 4}]
+    got = tpl.fleet_regime(runs, args)
+    assert got["regime"] == "the fleet holds every group's prefix, one engine does not"
+    assert (got["groups_one_engine_holds"], got["groups_fleet_holds"]) == (5, 21)
+    assert tpl.fleet_regime([broken], args)["regime"] == "unknown"  # never read: not guessed
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not TOOL.exists(), reason=f"GuideLLM not installed in {TOOL.parent.parent}")
 def test_tiny_run_through_guidellm(tmp_path):
@@ -117,3 +129,7 @@ def test_tiny_run_through_guidellm(tmp_path):
         assert r["failed"] == 0 and r["requests"] == 6 and r["ttft_ms_p50"] > 0
         assert 0 <= r["hit_rate"] <= 1
     assert "| up | kvmesh | 6 | 0 |" in proc.stdout
+    for r in doc["runs"]:  # the emulated H100's default cache, as the engines declare it
+        assert len(r["kv_cache_tokens"]) == 2 and r["kv_cache_tokens"][0] > 100_000
+    assert doc["kv_regime"]["regime"] == "one engine holds every group's prefix"
+    assert "(one engine holds every group's prefix)" in proc.stdout
