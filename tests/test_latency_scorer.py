@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import yaml
 
+from kvmesh.bench.workloads import agentic
+from kvmesh.engine.tokenizer import load_tokenizer
 from kvmesh.router import forward_load
 from kvmesh.router.approx_index import ApproximateIndex
 from kvmesh.router.endpoints import Endpoint
@@ -24,6 +26,9 @@ from kvmesh.router.plugins.latency import (
     nonnegative_fit,
 )
 from kvmesh.router.plugins.state import SchedulingState
+from kvmesh.sim import replay
+from kvmesh.sim.fleet import FleetSim
+from kvmesh.sim.requests import workload_requests
 
 # seconds per unit of each feature, in FEATURES order
 HOST_BOUND = (0.5, 0.4, 0.01, 0.01, 0.05)  # a request queued ahead costs as much as a long prefill
@@ -241,3 +246,45 @@ def test_the_affinity_preset_is_the_default_less_its_predicted_latency_scorer():
     assert [r for r in refs if r["pluginRef"] != "predicted-latency-scorer"] == (
         affinity["schedulingProfiles"][0]["plugins"]
     )
+
+
+def sim_run(policy: str, host_request_ms: float) -> tuple[FleetSim, list]:
+    """12 agentic sessions of 4 turns (fan-outs of 4) on 4 emulated H100s in virtual time;
+    with `host_request_ms`, a busy host: each step lasts at least 20 ms plus that per request
+    running on its engine."""
+    tokenizer = load_tokenizer(None)[0]
+    host = 20.0 if host_request_ms else 0.0
+    config = replay._configs("", 4, 0.1, 0, host_step_ms=host, host_request_ms=host_request_ms)
+    sim = FleetSim(config, policy, tokenizer)
+    return sim, sim.run(workload_requests(agentic(sessions=12, turns=4, fanout=4)))
+
+
+def queue_price_tokens(sim: FleetSim) -> float:
+    """What the fleet's fit says a queued request costs, in uncached prompt tokens."""
+    (scorer,) = [p for p in sim.pipeline.plugins.values() if isinstance(p, PredictedLatencyScorer)]
+    model = scorer.model
+    assert model.prefilling == {} and model.count == len(sim.records)  # every probe reported
+    c = model.coef
+    return (c[1] + c[4]) / max(c[2], c[3]) * 1000
+
+
+def max_over_mean(records) -> float:
+    per = [0] * 4
+    for r in records:
+        per[r.engine] += 1
+    return max(per) / (sum(per) / 4)
+
+
+def test_in_virtual_time_the_preset_learns_what_a_queue_costs_and_spreads_on_a_busy_host():
+    """GPU-bound, the fit prices a queued request at a few tokens and the preset places as it
+    did without the scorer; host-bound, at over a thousand, and the preset spreads."""
+    sim, records = sim_run("kvmesh", 0.0)
+    assert queue_price_tokens(sim) < 100
+    _, before = sim_run("kvmesh-affinity", 0.0)
+    assert [r.engine for r in records] == [r.engine for r in before]
+    sim, records = sim_run("kvmesh", 30.0)
+    assert queue_price_tokens(sim) > 500
+    _, before = sim_run("kvmesh-affinity", 30.0)
+    assert max_over_mean(records) < max_over_mean(before) - 0.15
+    with pytest.raises(ValueError, match="host-request-ms"):
+        replay._configs("", 4, 0.1, 0, host_request_ms=-1.0)

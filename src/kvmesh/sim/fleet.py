@@ -79,6 +79,11 @@ class FleetSimConfig:
     # look up what the router knew on every engine at each arrival (SimRecord.*_known_tokens,
     # "lost to routing"): a second index lookup per request
     measure_known: bool = True
+    # a busy host (engines starved of CPU, as `kvmesh bench up --hog`): each engine step lasts
+    # at least host_step_s plus host_request_s per request running there, virtual seconds of
+    # host work whatever the roofline says (0, 0: the GPU's time alone)
+    host_step_s: float = 0.0
+    host_request_s: float = 0.0
     engine: EngineConfig = field(default_factory=EngineConfig)
     emulation: EmulationConfig = field(default_factory=EmulationConfig)
     prefill_engines: int = field(init=False, default=0)  # of `engines`, from prefill_gpus
@@ -88,6 +93,8 @@ class FleetSimConfig:
         self.engines = fleet_size(self.engines, self.gpus, self.layout, self.emulation)
         per = gpus_per_engine(self.layout, self.emulation)
         self.prefill_engines = prefill_pool(self.prefill_gpus, self.engines, self.layout, per)
+        if self.host_step_s < 0 or self.host_request_s < 0:
+            raise ValueError("--host-step-ms and --host-request-ms must be >= 0")
         if self.kv_peer_min_cached_token_delta < 0:
             raise ValueError("--kv-peer-min-cached-token-delta must be 0 (off) or positive")
 
@@ -290,6 +297,10 @@ class FleetSim(KVMoves):
             unit.busy = False  # nothing could run: the next arrival wakes it
             self._deliver(unit)
             return
+        cfg = self.config
+        if cfg.host_step_s or cfg.host_request_s:  # the host's time, when it is the longer
+            running = max(e.core.scheduler.num_running for e in unit.engines)
+            dt = max(dt, cfg.host_step_s + cfg.host_request_s * running)
         unit.busy = True
         for e in unit.engines:  # a step occupies every GPU of the unit
             e.busy_s += dt

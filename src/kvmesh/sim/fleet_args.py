@@ -24,6 +24,8 @@ def fleet_config(
     engine_flags: tuple[str, ...] = (),
     prefill_gpus: int = 0,
     kv_peer_min_cached_token_delta: int = 0,
+    host_step_ms: float = 0.0,
+    host_request_ms: float = 0.0,
 ) -> FleetSimConfig:
     """The fleet of --serve-args (and `engine_flags`, serve flags that win over them); with a
     layout the emulated model defaults to glm-5.2-moe. Raises ValueError for a layout that does
@@ -48,6 +50,8 @@ def fleet_config(
         gpus=gpus,
         prefill_gpus=prefill_gpus,
         kv_peer_min_cached_token_delta=kv_peer_min_cached_token_delta,
+        host_step_s=host_step_ms / 1000,
+        host_request_s=host_request_ms / 1000,
         engine=config_from_args(EngineConfig, args),
         emulation=config_from_args(EmulationConfig, args),
     )
@@ -99,6 +103,21 @@ def add_fleet_args(g) -> None:
         "recomputing them. 0: off [default: 0].",
     )
     g.add_argument(
+        "--host-step-ms",
+        type=float,
+        default=0.0,
+        help="A busy host: every engine step lasts at least this many ms plus "
+        "--host-request-ms per request running on the engine, whatever the GPU's roofline "
+        "says (engines starved of CPU, as beside `kvmesh bench up --hog`, where a step costs "
+        "host time, not GPU time) [default: 0].",
+    )
+    g.add_argument(
+        "--host-request-ms",
+        type=float,
+        default=0.0,
+        help="With a busy host, the host ms each running request adds to a step [default: 0].",
+    )
+    g.add_argument(
         "--emulate-model",
         default=None,
         help="As `kvmesh serve --emulate-model` (wins over --serve-args) [default: "
@@ -120,11 +139,13 @@ def add_fleet_args(g) -> None:
     )
 
 
-def kv_move_flags(args: argparse.Namespace) -> dict[str, int]:
-    """The fleet_config keywords of the P/D and peer-sharing flags."""
+def kv_move_flags(args: argparse.Namespace) -> dict[str, float]:
+    """The fleet_config keywords of the P/D, peer-sharing and busy-host flags."""
     return {
         "prefill_gpus": getattr(args, "prefill_gpus", 0) or 0,
         "kv_peer_min_cached_token_delta": getattr(args, "kv_peer_min_cached_token_delta", 0) or 0,
+        "host_step_ms": getattr(args, "host_step_ms", 0.0) or 0.0,
+        "host_request_ms": getattr(args, "host_request_ms", 0.0) or 0.0,
     }
 
 
