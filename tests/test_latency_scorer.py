@@ -288,3 +288,18 @@ def test_in_virtual_time_the_preset_learns_what_a_queue_costs_and_spreads_on_a_b
     assert max_over_mean(records) < max_over_mean(before) - 0.15
     with pytest.raises(ValueError, match="host-request-ms"):
         replay._configs("", 4, 0.1, 0, host_request_ms=-1.0)
+
+
+def test_the_http_routers_charge_reports_the_first_token_of_a_probed_pick():
+    from kvmesh.router.handlers import Charge
+
+    model = TTFTModel(min_samples=1)
+    a = endpoint("a")
+    req = request({"a": 100})
+    PredictedLatencyScorer("p", model).chosen(req, a)
+    router = SimpleNamespace(approximate_index=ApproximateIndex())
+    charge = Charge(router, req, a, None)
+    assert model.prefilling == {"a": 1}
+    charge.first_byte()
+    charge.release()
+    assert model.prefilling == {} and model.count == 1 and model.y[0] >= 0

@@ -16,6 +16,7 @@ long prefill, and the scorer spreads what the cache scorers would pile onto one 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from textwrap import indent
 
@@ -25,6 +26,7 @@ from kvmesh.router.plugins.base import PrefixReader, SchedulingRequest
 from kvmesh.router.plugins.scorers import IN_FLIGHT
 from kvmesh.router.plugins.terms import Term, TermScorer
 
+logger = logging.getLogger(__name__)
 # the features of (endpoint, request), in this order: a constant; requests sent there that have
 # not had their first token (this router's count); prompt tokens waiting to be prefilled there
 # (router.forward_load) and this request's uncached tokens there, in thousands; requests in
@@ -115,6 +117,9 @@ class TTFTModel:
         self.coef = tuple(float(c) for c in nonnegative_fit(self.x[:n], self.y[:n]))
         self.since_fit = 0
         self.fits += 1
+        if logger.isEnabledFor(logging.DEBUG):
+            fit = ", ".join(f"{f} {c:.4g}" for f, c in zip(FEATURES, self.coef, strict=True))
+            logger.debug("time to first token over %d forwards, s per unit: %s", n, fit)
 
 
 @dataclass(slots=True)
