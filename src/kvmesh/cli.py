@@ -1,4 +1,9 @@
-"""The `kvmesh` command: serve an engine, start the whole stack, route, run benchmarks."""
+"""The `kvmesh` command: serve an engine, start the whole stack, route, run benchmarks.
+
+Only the subcommand named on the command line is built in full, so `kvmesh --help` and
+`kvmesh serve --help` import no more than that subcommand's flags need (no router for `serve`, no
+benchmark for `router`); `build_parser()` without argv builds them all (tests, the CLI reference).
+No parser takes abbreviations, and a subcommand's usage error prints that subcommand's usage."""
 
 from __future__ import annotations
 
@@ -6,11 +11,10 @@ import argparse
 import importlib
 import logging
 import sys
+from collections.abc import Sequence
 
+from kvmesh.commands import convert
 from kvmesh.commands.flags import add_dataclass_args
-from kvmesh.commands.router import ROUTER_HELP, cmd_router
-from kvmesh.commands.serve import EMULATION_HELP, ENGINE_HELP, cmd_serve
-from kvmesh.engine.config import EngineConfig
 
 BENCH_COMMANDS = {
     "engine": (
@@ -74,73 +78,152 @@ WORKLOAD_COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+COMMANDS = {
+    "serve": "Serve one engine with the OpenAI API on HTTP.",
+    "up": "Start kvmesh on this machine: the router on --port in front of the engine "
+    "(or of --emulate N emulated engines) on the ports after it.",
+    "router": "Cache-aware router in front of vLLM-compatible engines.",
+    "convert-gguf": convert.CONVERT_HELP,
+    "sim": "Replay a trace through routing policies on emulated engines in virtual time.",
+    "bench": "Benchmarks: each compares against its baseline in one run, writing JSON and plots.",
+}
+
+
+class Parser(argparse.ArgumentParser):
+    """No abbreviations: --max-num-seq is an error, not --max-num-seqs."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+
+class SubcommandParser(Parser):
+    """A subcommand's parser: arguments it does not know are its usage error (argparse would
+    hand them up to `kvmesh`, whose usage says nothing of the subcommand's flags)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
+def named(argv: Sequence[str]) -> list[str]:
+    """The positional words of argv before the first option after them: ['bench', 'engine'] for
+    `kvmesh --log-level DEBUG bench engine --help`."""
+    words: list[str] = []
+    tokens = iter(argv)
+    for token in tokens:
+        if token == "--log-level" and not words:
+            next(tokens, None)
+        elif token.startswith("-"):
+            if words:
+                break
+        else:
+            words.append(token)
+    return words
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The `kvmesh` parser. With argv, only the subcommand (and bench) argv names is built in
+    full, the others listed by name; without, every one."""
+    words = None if argv is None else named(argv)
+
+    def wanted(*path: str) -> bool:
+        return words is None or words[: len(path)] == list(path)
+
+    parser = Parser(
         prog="kvmesh",
         description="kvmesh: LLM inference for agentic workloads. An OpenAI-compatible engine "
         "with paged KV cache and prefix caching, speaking vLLM's wire formats.",
     )
     parser.add_argument("--log-level", default="INFO", help="Logging level [default: INFO].")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=SubcommandParser)
+    for name, text in COMMANDS.items():
+        if not wanted(name):
+            sub.add_parser(name, help=text, description=text)
+        elif name in ("serve", "up"):
+            _add_serve(sub, name, text)
+        elif name == "router":
+            _add_router(sub, text)
+        elif name == "convert-gguf":
+            cp = sub.add_parser(name, help=text, description=convert.__doc__)
+            convert.add_args(cp)
+            cp.set_defaults(func=convert.main)
+        elif name == "sim":
+            from kvmesh.sim import replay
 
-    for name, text in (
-        ("serve", "Serve one engine with the OpenAI API on HTTP."),
-        (
-            "up",
-            "Start kvmesh on this machine: the router on --port in front of the engine "
-            "(or of --emulate N emulated engines) on the ports after it.",
-        ),
-    ):
-        p = sub.add_parser(
-            name,
-            help=text,
-            description=text,
-        )
-        p.add_argument(
-            "--host", default="127.0.0.1", help="Address to listen on [default: 127.0.0.1]."
-        )
-        p.add_argument("--port", type=int, default=8000, help="HTTP port [default: 8000].")
-        add_dataclass_args(p, EngineConfig, ENGINE_HELP)
-        from kvmesh.engine.emulation.builder import EmulationConfig
-
-        emu = p.add_argument_group(
-            "emulation",
-            "Emulated engines: the real server, scheduler, block pool, KV events and "
-            "metrics, with the forward pass replaced by a roofline model's step time and "
-            "deterministic tokens (SmolLM2's tokenizer, so token counts and hashes are real).",
-        )
-        emu.add_argument(
-            "--emulate",
-            type=int,
-            nargs="?",
-            const=1,
-            default=0,
-            metavar="N",
-            help="Run N emulated engines on consecutive ports from --port (serve: 1).",
-        )
-        add_dataclass_args(emu, EmulationConfig, EMULATION_HELP)
-        if name == "up":
-            from kvmesh.commands.serve import UP_ROUTER_FLAGS
-            from kvmesh.router.app import RouterConfig
-
-            routing = p.add_argument_group(
-                "router", "The router's scheduling and failure handling, as `kvmesh router`'s."
+            sp = sub.add_parser(
+                name,
+                help=text,
+                description=(replay.__doc__ or "").strip(),
+                formatter_class=argparse.RawDescriptionHelpFormatter,
             )
-            helps = {k: ROUTER_HELP[k] for k in UP_ROUTER_FLAGS}
-            add_dataclass_args(routing, RouterConfig, helps)
-            from kvmesh.commands.up_supervisor import RESTART_HELP, RestartPolicy
+            replay.add_args(sp)
+            sp.set_defaults(func=replay.main)
+        else:
+            _add_bench(sub, text, wanted)
+    return parser
 
-            restarts = p.add_argument_group(
-                "restarts",
-                "A child (engine or router process) that exits once the stack is ready is "
-                "restarted with exponential back-off; a crash loop stops `up`.",
-            )
-            add_dataclass_args(restarts, RestartPolicy, RESTART_HELP)
-        p.set_defaults(func=cmd_serve)
+
+def _listen_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="Address to listen on [default: 127.0.0.1].")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port [default: 8000].")
+
+
+def _add_serve(sub, name: str, text: str) -> None:
+    from kvmesh.commands.serve import EMULATION_HELP, ENGINE_HELP, cmd_serve
+    from kvmesh.engine.config import EngineConfig
+
+    p = sub.add_parser(name, help=text, description=text)
+    _listen_args(p)
+    add_dataclass_args(p, EngineConfig, ENGINE_HELP)
+    from kvmesh.engine.emulation.builder import EmulationConfig
+
+    emu = p.add_argument_group(
+        "emulation",
+        "Emulated engines: the real server, scheduler, block pool, KV events and "
+        "metrics, with the forward pass replaced by a roofline model's step time and "
+        "deterministic tokens (SmolLM2's tokenizer, so token counts and hashes are real).",
+    )
+    emu.add_argument(
+        "--emulate",
+        type=int,
+        nargs="?",
+        const=1,
+        default=0,
+        metavar="N",
+        help="Run N emulated engines on consecutive ports from --port (serve: 1).",
+    )
+    add_dataclass_args(emu, EmulationConfig, EMULATION_HELP)
+    if name == "up":
+        from kvmesh.commands.router import ROUTER_HELP
+        from kvmesh.commands.serve import UP_ROUTER_FLAGS
+        from kvmesh.router.app import RouterConfig
+
+        routing = p.add_argument_group(
+            "router", "The router's scheduling and failure handling, as `kvmesh router`'s."
+        )
+        helps = {k: ROUTER_HELP[k] for k in UP_ROUTER_FLAGS}
+        add_dataclass_args(routing, RouterConfig, helps)
+        from kvmesh.commands.up_supervisor import RESTART_HELP, RestartPolicy
+
+        restarts = p.add_argument_group(
+            "restarts",
+            "A child (engine or router process) that exits once the stack is ready is "
+            "restarted with exponential back-off; a crash loop stops `up`.",
+        )
+        add_dataclass_args(restarts, RestartPolicy, RESTART_HELP)
+    p.set_defaults(func=cmd_serve)
+
+
+def _add_router(sub, text: str) -> None:
+    from kvmesh.commands.router import ROUTER_HELP, ROUTER_RENAMED, cmd_router
+    from kvmesh.router.app import RouterConfig
 
     rp = sub.add_parser(
         "router",
-        help="Cache-aware router in front of vLLM-compatible engines.",
+        help=text,
         description="Serve the OpenAI API on one port and send each request to the engine where "
         "it is served fastest: above all the one that already holds its prefix (from the "
         "engines' KV events and the router's own decisions), then the least loaded.",
@@ -152,38 +235,18 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="URL",
         help="An engine's base URL (repeatable), e.g. http://127.0.0.1:8001.",
     )
-    rp.add_argument(
-        "--host", default="127.0.0.1", help="Address to listen on [default: 127.0.0.1]."
-    )
-    rp.add_argument("--port", type=int, default=8000, help="HTTP port [default: 8000].")
-    from kvmesh.router.app import RouterConfig
-
-    add_dataclass_args(rp, RouterConfig, ROUTER_HELP)
+    _listen_args(rp)
+    add_dataclass_args(rp, RouterConfig, ROUTER_HELP, ROUTER_RENAMED)
     rp.set_defaults(func=cmd_router)
 
-    from kvmesh.commands import convert
 
-    cp = sub.add_parser("convert-gguf", help=convert.CONVERT_HELP, description=convert.__doc__)
-    convert.add_args(cp)
-    cp.set_defaults(func=convert.main)
-
-    from kvmesh.sim import replay
-
-    sp = sub.add_parser(
-        "sim",
-        help="Replay a trace through routing policies on emulated engines in virtual time.",
-        description=(replay.__doc__ or "").strip(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    replay.add_args(sp)
-    sp.set_defaults(func=replay.main)
-
-    bench = sub.add_parser(
-        "bench",
-        help="Benchmarks: each compares against its baseline in one run and writes JSON and plots.",
-    )
+def _add_bench(sub, text: str, wanted) -> None:
+    bench = sub.add_parser("bench", help=text, description=text)
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    for name, (module_name, text) in BENCH_COMMANDS.items():
+    for name, (module_name, help_text) in BENCH_COMMANDS.items():
+        if not wanted("bench", name):
+            bench_sub.add_parser(name, help=help_text, description=help_text)
+            continue
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:  # a benchmark module not in this checkout
@@ -192,23 +255,24 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         bp = bench_sub.add_parser(
             name,
-            help=text,
-            description=(module.__doc__ or text).strip(),
+            help=help_text,
+            description=(module.__doc__ or help_text).strip(),
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         module.add_args(bp)
         bp.set_defaults(func=module.main)
-    from kvmesh.bench import workload_cmd
+    for kind, help_text in WORKLOAD_COMMANDS.items():
+        bp = bench_sub.add_parser(kind, help=help_text, description=help_text)
+        if wanted("bench", kind):
+            from kvmesh.bench import workload_cmd
 
-    for kind, text in WORKLOAD_COMMANDS.items():
-        bp = bench_sub.add_parser(kind, help=text, description=text)
-        workload_cmd.add_args_workload(bp, kind)
-        bp.set_defaults(func=workload_cmd.main_workload)
-    return parser
+            workload_cmd.add_args_workload(bp, kind)
+            bp.set_defaults(func=workload_cmd.main_workload)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -6,7 +6,8 @@ import argparse
 import errno
 import sys
 
-from kvmesh.commands.flags import config_from_args
+from kvmesh.commands.checks import model_problem
+from kvmesh.commands.flags import config_from_args, plural
 
 
 async def wait_for_shutdown() -> None:
@@ -36,13 +37,13 @@ ROUTER_HELP = {
     "scheduler_config": "EndpointPickerConfig YAML (plugins + schedulingProfiles), as llm-d's.",
     "preset": "Scheduler preset when no --scheduler-config: round-robin, random, load, "
     "approx-prefix, precise-prefix, kvmesh.",
-    "tokenizer": "Tokenizer of the served model: a local HF directory or GGUF file (default: "
-    "the embedded SmolLM2's).",
+    "tokenizer": "The served model, as the engines' --model: a local HF directory or GGUF file "
+    "whose tokenizer and chat template the router uses (default: the embedded SmolLM2's).",
     "served_model_name": "The model name clients send (the engines' --served-model-name): "
     "every engine's GET /v1/models must list it. Default: not checked.",
     "engine_model_check": "At start ask each engine's GET /v1/models and POST /tokenize; refuse "
     "to start (exit 2) when one does not serve --served-model-name (or a model the endpoints "
-    "file lists for it) or splits probe texts into other token ids than --tokenizer (another "
+    "file lists for it) or splits probe texts into other token ids than --model (another "
     "model: no prefix would match). An engine that joins or restarts so is kept out of "
     "rotation. --no-engine-model-check routes to them anyway.",
     "block_size": "The engines' KV block size (prefix keys are computed exactly as theirs). "
@@ -52,8 +53,9 @@ ROUTER_HELP = {
     "(kvmesh_router_endpoint_block_size_mismatch).",
     "prefix_caching_hash_algo": "The engines' --prefix-caching-hash-algo (set the same "
     "PYTHONHASHSEED as theirs).",
-    "kv_events": "KV event source per endpoint: 'auto' asks each engine's /kv_event_sources; "
-    "'none' turns precise indexing off.",
+    "kv_events": "Where the router subscribes to each endpoint's KV events: 'auto' asks each "
+    "engine's /kv_event_sources; a ZMQ endpoint such as 'tcp://*:5557' (as the engines' "
+    "publisher says it, '*' reached at each endpoint's host); 'none' turns precise indexing off.",
     "scrape_interval": "Seconds between /metrics scrapes of each endpoint.",
     "max_retries": "Other endpoints tried when one fails before the first byte.",
     "max_body_bytes": "Largest request body accepted.",
@@ -109,6 +111,14 @@ ROUTER_HELP = {
 }
 
 
+# one name per concept across serve, router and up: the engines' (vLLM's) names for the model and
+# for KV events; the old spellings still work, with a warning on stderr
+ROUTER_RENAMED = {
+    "tokenizer": ("--model", ("--tokenizer",)),
+    "kv_events": ("--kv-events-config", ("--kv-events",)),
+}
+
+
 def router_config_from(args: argparse.Namespace, endpoints: list[str]):
     from kvmesh.router.app import RouterConfig
 
@@ -142,6 +152,9 @@ def cmd_router(args: argparse.Namespace) -> int:
         return 2
     try:
         config = router_config_from(args, args.endpoint or [])
+        problem = model_problem(config.tokenizer, weights=False)
+        if problem:
+            raise ValueError(problem)
     except ValueError as exc:
         print(f"kvmesh router: {exc}", file=sys.stderr)
         return 2
@@ -182,8 +195,9 @@ def cmd_router(args: argparse.Namespace) -> int:
             ext_port, fail_open = config.ext_proc_port, config.ext_proc_fail_open
             ext_proc, bound = await serve_ext_proc(router, args.host, ext_port, fail_open)
             also = f", ext_proc grpc://{args.host}:{bound}"
+        listed = plural(len(endpoints), "endpoint")
         print(
-            f"kvmesh router ready: http://{args.host}:{port}/v1 ({len(endpoints)} endpoints, "
+            f"kvmesh router ready: http://{args.host}:{port}/v1 ({listed}, "
             f"{healthy} healthy, preset {config.preset}){also}",
             flush=True,
         )

@@ -7,7 +7,8 @@ import argparse
 import errno
 import sys
 
-from kvmesh.commands.flags import config_from_args
+from kvmesh.commands.checks import model_problem
+from kvmesh.commands.flags import config_from_args, plural
 from kvmesh.engine.config import HASH_ALGOS, SCHEDULING_POLICIES, EngineConfig
 
 ENGINE_HELP = {
@@ -186,6 +187,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             emu = given
         if args.command == "up":
             up_router_config(config, args, [])  # its flags are checked before anything starts
+        problem = model_problem(config.model, weights=emu is None)
+        if problem:
+            raise ValueError(problem)
     except ValueError as exc:
         print(f"kvmesh {args.command}: {exc}", file=sys.stderr)
         return 2
@@ -268,12 +272,13 @@ def run_emulated(config: EngineConfig, emu, args: argparse.Namespace) -> int:
     tokenizer, _ = load_tokenizer(config.model)
 
     async def main() -> None:
-        load_progress.step("building %d emulated engine(s)", count)
+        load_progress.step("building %s", plural(count, "emulated engine"))
         fleet = EmulatedFleet(config, emu, tokenizer, count)
         urls = await fleet.start(args.host, args.port)
         spec = f"{emu.emulate_model} on {emu.tensor_parallel_size} x {emu.emulate_gpu}"
         blocks = fleet.bundles[0].engine.core.kv.pool.num_blocks
-        print(f"kvmesh: {count} emulated engine(s), {spec}, {blocks} KV blocks each", flush=True)
+        engines = plural(count, "emulated engine")
+        print(f"kvmesh: {engines}, {spec}, {blocks} KV blocks each", flush=True)
         for url in urls:
             print(f"  engine {url}/v1", flush=True)
         try:

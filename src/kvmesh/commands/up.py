@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from kvmesh.commands import up_ports
-from kvmesh.commands.flags import config_from_args
+from kvmesh.commands.flags import Renamed, config_from_args, flag_of, plural
 from kvmesh.commands.up_supervisor import START_TIMEOUT_S, RestartPolicy, Stack
 from kvmesh.engine.config import EngineConfig
 from kvmesh.protocol import auth
@@ -43,7 +43,7 @@ SECRET_FIELDS = {  # EngineConfig field -> the environment variable its child re
 ROUTER_OWN = {"endpoints", "endpoints_file", "api_key", "endpoint_api_key", "kv_events"}
 
 
-def flags_for(config, names: Iterable[str]) -> list[str]:
+def flags_for(config, names: Iterable[str], renamed: Renamed | None = None) -> list[str]:
     """The command-line flags that give `config`'s fields `names` their values (those at the
     class default are left out): the inverse of commands.flags.config_from_args."""
     defaults, out = type(config)(), []
@@ -51,7 +51,7 @@ def flags_for(config, names: Iterable[str]) -> list[str]:
         value = getattr(config, name)
         if value == getattr(defaults, name) or value is None:
             continue
-        flag = "--" + name.replace("_", "-")
+        flag = flag_of(name, renamed)
         if isinstance(value, bool):
             out.append(flag if value else "--no-" + flag[2:])
         else:
@@ -111,17 +111,17 @@ def engine_command(config: EngineConfig, emu, args: argparse.Namespace) -> list[
 
 
 def router_command(rcfg, config: EngineConfig, args: argparse.Namespace) -> list[str]:
-    from kvmesh.commands.router import ROUTER_HELP
+    from kvmesh.commands.router import ROUTER_HELP, ROUTER_RENAMED
 
     cmd = [*kvmesh_command(args, "router"), "--host", args.host, "--port", str(args.port)]
     for url in rcfg.endpoints:
         cmd += ["--endpoint", url]
     # the engines' block size among them: given, the router refuses an engine of another size
-    cmd += flags_for(rcfg, [n for n in ROUTER_HELP if n not in ROUTER_OWN])
+    cmd += flags_for(rcfg, [n for n in ROUTER_HELP if n not in ROUTER_OWN], ROUTER_RENAMED)
     if rcfg.kv_events is None:
-        cmd += ["--kv-events", "none"]
+        cmd += [flag_of("kv_events", ROUTER_RENAMED), "none"]
     if config.model:  # the router tokenizes as the engine does, with the model's tokenizer
-        cmd += ["--tokenizer", config.model]
+        cmd += [flag_of("tokenizer", ROUTER_RENAMED), config.model]
     return cmd
 
 
@@ -178,7 +178,7 @@ def run_up(config: EngineConfig, emu, args: argparse.Namespace) -> int:
         )
         return 2
     config, folder = with_ipc_events(config)
-    kind = f"{count} emulated engine(s)" if emu is not None else "the engine (loading its model)"
+    kind = plural(count, "emulated engine") if emu is not None else "the engine (loading its model)"
     print(
         f"kvmesh up: starting {kind} on port {args.port + 1}"
         + (f"-{args.port + count}" if count > 1 else "")
