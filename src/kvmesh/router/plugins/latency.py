@@ -38,11 +38,13 @@ MIN_SECONDS = 1e-6  # a prediction's floor: scores are ratios of predictions
 def nonnegative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least-squares coefficients of y on the columns of x, each at least 0: the unconstrained
     fit over the columns kept, dropping the most negative coefficient's column until none is
-    negative (a column that explains nothing at all, as one always 0, gets 0)."""
+    negative (a column that explains nothing at all, as one always 0, gets 0). Solved on the
+    normal equations, a system the size of the columns whatever the rows."""
+    gram, xty = x.T @ x, x.T @ y
     keep = list(range(x.shape[1]))
     coef = np.zeros(x.shape[1])
     while keep:
-        sol = np.linalg.lstsq(x[:, keep], y, rcond=None)[0]
+        sol = np.linalg.lstsq(gram[np.ix_(keep, keep)], xty[keep], rcond=None)[0]
         worst = int(np.argmin(sol))
         if sol[worst] >= 0:
             coef[keep] = sol
@@ -54,13 +56,14 @@ def nonnegative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 @dataclass(slots=True)
 class TTFTModel:
     """Time to first token as a linear function of FEATURES, fitted over the last `window`
-    observations. Invariants: `count` observations are held, in rows of the ring `x`, `y`;
-    `coef` is None until `min_samples` have been observed, then the fit of the rows held at
-    the last refit; `prefilling[name]` is the number of probes started on `name` and neither
-    observed nor dropped."""
+    observations. Invariants: the last `count` (at most `window`) observations are held, each a
+    row of the rings `x` (features) and `y` (seconds), the next written at `next_row`; `coef`
+    is None until `min_samples` have been observed, then the fit of the rows held at the last
+    refit; `prefilling[name]` is the number of probes
+    started on `name` and neither observed nor dropped."""
 
     window: int = 512
-    refit_every: int = 16
+    refit_every: int = 32
     min_samples: int = 32
     coef: tuple[float, ...] | None = None
     prefilling: dict[str, int] = field(default_factory=dict)
@@ -102,10 +105,12 @@ class TTFTModel:
         self.dropped(endpoint)
         if not seconds >= 0:  # (NaN too) a clock that went back: nothing learnt
             return
-        self.x[self.next_row] = features
-        self.y[self.next_row] = seconds
-        self.next_row = (self.next_row + 1) % self.window
-        self.count = min(self.count + 1, self.window)
+        row = self.next_row
+        self.x[row] = features
+        self.y[row] = seconds
+        self.next_row = (row + 1) % self.window
+        if self.count < self.window:
+            self.count += 1
         self.since_fit += 1
         if self.count >= self.min_samples and (
             self.coef is None or self.since_fit >= self.refit_every
@@ -130,12 +135,6 @@ class Probe:
     model: TTFTModel
     endpoint: str
     features: tuple[float, ...]
-
-
-def features(model: TTFTModel, name: str, pending: int, uncached: int, in_flight: float) -> tuple:
-    """FEATURES of an endpoint `name` (its pending prefill, this request's uncached tokens
-    there, its requests in flight)."""
-    return (1.0, float(model.prefilling.get(name, 0)), pending / 1000, uncached / 1000, in_flight)
 
 
 @dataclass(slots=True)
@@ -186,13 +185,13 @@ _p = []""",
     include_tokens: bool = False  # includeTokens
 
     def chosen(self, req: SchedulingRequest, endpoint) -> None:
-        state = req.state
-        busy = max(endpoint.in_flight, endpoint.running + endpoint.waiting)  # IN_FLIGHT
-        x = features(
-            self.model,
-            endpoint.name,
-            endpoint.pending_prefill_tokens,
-            state.uncached_tokens(endpoint.name),
-            busy,
+        model, name, state = self.model, endpoint.name, req.state
+        busy = endpoint.running + endpoint.waiting  # IN_FLIGHT
+        x = (
+            1.0,
+            float(model.prefilling.get(name, 0)),
+            endpoint.pending_prefill_tokens / 1000,
+            state.uncached_tokens(name) / 1000,
+            endpoint.in_flight if endpoint.in_flight > busy else busy,
         )
-        state.probe = Probe(self.model, endpoint.name, x)
+        state.probe = Probe(model, name, x)

@@ -99,7 +99,7 @@ _TYPES = (
             TTFTModel(int(p["windowSamples"]), int(p["refitEvery"]), int(p["minSamples"])),
             bool(p["includeTokens"]),
         ),
-        {"windowSamples": 512, "refitEvery": 16, "minSamples": 32, "includeTokens": False},
+        {"windowSamples": 512, "refitEvery": 32, "minSamples": 32, "includeTokens": False},
     ),
     PluginType("queue-scorer", SCORER, lambda n, p, c: QueueScorer(n), {}),
     PluginType(
