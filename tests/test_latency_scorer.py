@@ -70,6 +70,12 @@ def test_no_coefficient_is_negative_and_a_prediction_stays_positive():
     assert model.predict((1.0, 0.0, 0.0, 0.0, 0.0)) > 0
 
 
+def test_a_feature_that_never_varied_is_priced_at_zero_not_shared_with_the_constant():
+    x = np.column_stack([np.ones(50), np.full(50, 3.0), np.arange(50.0)])
+    coef = nonnegative_fit(x, 0.2 + 0.01 * x[:, 2])
+    assert coef == pytest.approx([0.2, 0.0, 0.01])
+
+
 def test_nothing_is_predicted_until_min_samples_then_refits_every_refit_every():
     model = TTFTModel(window=64, refit_every=8, min_samples=20)
     stream = samples(GPU_BOUND, 100)

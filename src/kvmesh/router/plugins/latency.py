@@ -38,10 +38,12 @@ MIN_SECONDS = 1e-6  # a prediction's floor: scores are ratios of predictions
 def nonnegative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least-squares coefficients of y on the columns of x, each at least 0: the unconstrained
     fit over the columns kept, dropping the most negative coefficient's column until none is
-    negative (a column that explains nothing at all, as one always 0, gets 0). Solved on the
-    normal equations, a system the size of the columns whatever the rows."""
+    negative. A column that never varied (but the first, the constant) gets 0: what it is worth
+    cannot be told from the constant's. Solved on the normal equations, a system the size of
+    the columns whatever the rows."""
     gram, xty = x.T @ x, x.T @ y
-    keep = list(range(x.shape[1]))
+    varied = np.ptp(x, axis=0) > 0
+    keep = [0, *(j for j in range(1, x.shape[1]) if varied[j])]
     coef = np.zeros(x.shape[1])
     while keep:
         sol = np.linalg.lstsq(gram[np.ix_(keep, keep)], xty[keep], rcond=None)[0]
