@@ -1,17 +1,19 @@
-"""Predicted latency: each endpoint's time to first token for this request, learnt online from
-the router's own forwards (in the spirit of llm-d's predicted-latency, "SLO-aware", scheduling).
+"""Predicted latency: what each endpoint's queue adds to a request's time to first token, learnt
+online from the router's own forwards (in the spirit of llm-d's predicted-latency, "SLO-aware",
+scheduling).
 
-At each pick the scorer records the chosen endpoint's features (`features`: what the router
-counts there, and what this request lacks there); when that forward's first token comes,
+At each pick the scorer records the chosen endpoint's features (FEATURES: what the router counts
+there, and what this request lacks there); when that forward's first token comes,
 router.forward_load reports the time it took (`TTFTModel.observed`). A least-squares fit of
-time on features, with every coefficient at least 0, over the last `window` reports and redone
-every `refit_every`, predicts each candidate's time, and the scorer maps them to [0, 1].
+time on features, every coefficient at least 0, over the last `window` reports and redone every
+`refit_every`, says what each feature costs on this fleet, not on a model of its GPUs.
 
-What a feature costs is what the fleet shows, not what a model of the GPU says: where prefill is
-the slow part, an uncached token costs much and a request waiting costs little, and the scorer
-agrees with the placement cost; where the host is the slow part (engines starved of CPU, every
-engine step costing host time whatever its tokens), a request queued ahead costs as much as a
-long prefill, and the scorer spreads what the cache scorers would pile onto one holder.
+Where prefill is the slow part, an uncached or queued token costs much and a queued request
+little beyond its tokens; where the host is (engines starved of CPU, every engine step costing
+host time whatever its tokens), a queued request costs as much as hundreds or thousands of
+prompt tokens. The scorer prices each endpoint's queued requests in prompt tokens at that rate
+(PredictedLatencyScorer), so it is about neutral in the first case and spreads, in the second,
+what the cache scorers would pile onto one holder.
 """
 
 from __future__ import annotations
@@ -61,8 +63,8 @@ class TTFTModel:
     observations. Invariants: the last `count` (at most `window`) observations are held, each a
     row of the rings `x` (features) and `y` (seconds), the next written at `next_row`; `coef`
     is None until `min_samples` have been observed, then the fit of the rows held at the last
-    refit; `prefilling[name]` is the number of probes
-    started on `name` and neither observed nor dropped."""
+    refit; `prefilling[name]` is the number of probes started on `name` and neither observed
+    nor dropped."""
 
     window: int = 512
     refit_every: int = 32
