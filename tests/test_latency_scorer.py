@@ -309,3 +309,29 @@ def test_the_http_routers_charge_reports_the_first_token_of_a_probed_pick():
     charge.first_byte()
     charge.release()
     assert model.prefilling == {} and model.count == 1 and model.y[0] >= 0
+
+
+def test_joined_with_the_placement_cost_a_fitted_scorer_totals_what_each_scores_alone():
+    """Both read IN_FLIGHT's locals: joined into one profile function, each keeps its own."""
+    ctx = SimpleNamespace(
+        precise_index=Held({"a": 200, "b": 64}), approximate_index=Held({"a": 200})
+    )
+    pipeline = Pipeline.preset("kvmesh", ctx)
+    profile = pipeline.profiles["default"]
+    for scorer, _ in profile.scorers:
+        if isinstance(scorer, PredictedLatencyScorer):
+            scorer.model = trained(HOST_BOUND)
+            scorer.model.started("a")
+    eps = [endpoint("a", 900, 5), endpoint("b", 0, 1), endpoint("c", 100, 2)]
+    req = request({})
+    req.state = SchedulingState.of(req)
+    req.state.look_up(req.block_keys, ["a", "b", "c"], ctx.precise_index, ctx.approximate_index)
+    assert req.state.blocks_cached("a") == 200
+    want = [0.0, 0.0, 0.0]
+    for scorer, weight in profile.scorers:
+        for i, x in enumerate(scorer.score(req, eps)):
+            want[i] += weight * x
+    totals, _ = profile.totals(req, eps)
+    assert totals == pytest.approx(want, rel=1e-12)
+    latency = [s for s, _ in profile.scorers if isinstance(s, PredictedLatencyScorer)][0]
+    assert latency.score(req, eps)[0] < 0.5  # its fit is live in the joined function too
