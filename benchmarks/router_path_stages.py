@@ -9,6 +9,12 @@ the same requests untimed (process_time), the least of the rounds; the stages ar
 stage over the rounds.
 
     .venv/bin/python benchmarks/router_path_stages.py [--kind extended|new|repeated] [-n 3000]
+        [--pure-python-too]
+
+``--pure-python-too`` runs the same measurement again in a child process with
+KVMESH_PURE_PYTHON=1 (the modules setup.py compiles run as their Python source, and the byte-level
+scan as its Python twin) and prints both side by side: what the compiled parts save, stage by
+stage.
 
 kinds: `extended` an ~8,000-character prompt with a new tail each time (an agent's next turn),
 `new` a small prompt never seen before, `repeated` one small prompt again and again.
@@ -18,6 +24,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
+import subprocess
+import sys
 import time
 from collections import defaultdict
 from contextlib import ExitStack, contextmanager
@@ -110,23 +120,37 @@ def main() -> None:
     p.add_argument("--presets", default="kvmesh,round-robin")
     p.add_argument("-n", type=int, default=3000)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--pure-python-too", action="store_true")
+    p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # (the child's output)
     args = p.parse_args()
     from kvmesh.engine.tokenizer import load_tokenizer
 
     tokenizer, _ = load_tokenizer(None)
     presets = [s.strip() for s in args.presets.split(",") if s.strip()]
     got = {preset: measure(preset, args.kind, args.n, args.rounds, tokenizer) for preset in presets}
+    if args.json:
+        print(json.dumps(got))
+        return
+    columns = {p: got[p] for p in presets}
+    if args.pure_python_too:
+        env = {**os.environ, "KVMESH_PURE_PYTHON": "1"}
+        child = [sys.executable, __file__, "--json", "--kind", args.kind, "--presets"]
+        child += [args.presets, "-n", str(args.n), "--rounds", str(args.rounds)]
+        pure = json.loads(subprocess.run(child, env=env, capture_output=True, text=True,
+                                         check=True).stdout.splitlines()[-1])  # fmt: skip
+        columns = {f"{p} (compiled)": got[p] for p in presets}
+        columns.update({f"{p} (Python)": pure[p] for p in presets})
     print(f"router CPU per request, us, {args.kind} prompt ({args.n} requests, least of "
           f"{args.rounds} rounds; stages inclusive, indented under their parent)")  # fmt: skip
-    print(f"| stage | {' | '.join(presets)} |")
-    print("|---" * (len(presets) + 1) + "|")
-    whole = " | ".join(f"{got[p]['whole']:.1f}" for p in presets)
+    print(f"| stage | {' | '.join(columns)} |")
+    print("|---" * (len(columns) + 1) + "|")
+    whole = " | ".join(f"{c['whole']:.1f}" for c in columns.values())
     print(f"| whole request (untimed run) | {whole} |")
     depth = {"": -1}
     for label, _, _, parent in STAGES:
         depth[label] = depth[parent] + 1
-        cells = [f"{got[p]['stages'][label]:.1f}" if label in got[p]["stages"] else "-"
-                 for p in presets]  # fmt: skip
+        cells = [f"{c['stages'][label]:.1f}" if label in c["stages"] else "-"
+                 for c in columns.values()]  # fmt: skip
         print(f"| {'  ' * depth[label]}{label} | {' | '.join(cells)} |")
 
 

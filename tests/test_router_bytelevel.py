@@ -80,3 +80,22 @@ def test_words_the_cache_lacks_are_added_once(twins):
     before = dict(compiled.words)
     compiled.encode("zebra quagga zebra")
     assert compiled.words == before
+
+
+def test_a_character_newer_than_pythons_tables_is_left_to_the_rust_tokenizer(backend):
+    """U+3D000 is a letter to the `regex` module's tables and unassigned (punctuation-like) to
+    the Rust tokenizer's and Python's: the fast path would split "\\U0003d000's" otherwise."""
+    from kvmesh.protocol.tokenizer import load_tokenizer
+    from kvmesh.router.tokens import PromptTokenizer
+
+    text = "\U0003d000's and more"
+    assert fastbpe.newer_letters().search(text)
+    with pytest.raises(fastbpe.Declined):
+        FastBPE.probe(backend).encode(text)
+    tok = load_tokenizer(None)[0]
+    pt = PromptTokenizer(tok)
+    assert pt.encode_completion(text, add_special_tokens=False) == tok.encode(
+        text, add_special_tokens=False
+    )
+    long = text + " words" * 40  # through the text cache's runs too
+    assert list(pt.ids_and_keys(long, False)[0]) == tok.encode(long, add_special_tokens=False)

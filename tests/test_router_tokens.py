@@ -299,7 +299,7 @@ def test_fast_byte_level_bpe_equals_the_rust_tokenizer(tok, text):
     fast = _fast(backend)
     try:
         ids = fast.encode(text)
-    except UnicodeEncodeError:  # lone surrogates: the router falls back to the Rust path
+    except UnicodeError:  # fastbpe.Declined (lone surrogates, newer characters): the Rust path
         return
     assert ids == backend.encode(text, add_special_tokens=False).ids
     with_cuts, (chars, tokens) = fast.encode_with_cuts(text, 5, 7, 3)

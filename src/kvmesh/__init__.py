@@ -1,0 +1,3 @@
+from kvmesh import _fresh
+
+_fresh.install()

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
+from collections.abc import Callable
 
 from kvmesh.bench.router_client import prompt_text
 from kvmesh.router.app import Router, RouterConfig
@@ -85,7 +87,9 @@ def request_bytes(prompt: str) -> bytes:
     return head + b"Content-Length: %d\r\n\r\n%s" % (len(body), body.encode())
 
 
-async def _time_path(preset: str, tokenizer, requests: list[bytes], warmup: int) -> float:
+def _path(preset: str, tokenizer) -> tuple[Callable[[bytes], None], list[bytes]]:
+    """A router in process with canned engines: a function that serves one request's bytes,
+    and the list the client's answers are written to."""
     router = Router(
         RouterConfig(endpoints=ENDPOINTS, preset=preset, kv_events=None, engine_model_check=False),
         tokenizer,
@@ -106,6 +110,11 @@ async def _time_path(preset: str, tokenizer, requests: list[bytes], warmup: int)
         while asked:
             asked.pop().data_received(ANSWER)
 
+    return serve, client
+
+
+async def _time_path(preset: str, tokenizer, requests: list[bytes], warmup: int) -> float:
+    serve, client = _path(preset, tokenizer)
     for raw in requests[:warmup]:
         serve(raw)
     client.clear()
@@ -117,6 +126,19 @@ async def _time_path(preset: str, tokenizer, requests: list[bytes], warmup: int)
     if answered != len(requests) - warmup:
         raise RuntimeError(f"{preset}: {answered} of {len(requests) - warmup} answered")
     return cpu / answered * 1e6
+
+
+async def picks(preset: str, tokenizer, requests: list[bytes]) -> list[str]:
+    """The endpoint that answered each request (its x-kvmesh-endpoint), in order."""
+    serve, client = _path(preset, tokenizer)
+    out = []
+    for raw in requests:
+        serve(raw)
+        head = b"".join(client).split(b"\r\n\r\n", 1)[0]
+        client.clear()
+        found = re.search(rb"(?im)^x-kvmesh-endpoint: *(\S+)", head)
+        out.append(found.group(1).decode() if found else "")
+    return out
 
 
 def run_path(presets: list[str], n: int, rounds: int, tokenizer=None) -> dict:

@@ -88,7 +88,7 @@ class PromptTokenizer:
         """``tokenizer.encode`` without the transformers wrapper's ~100 us per call, when the
         Rust tokenizer underneath was checked to give the same ids."""
         if self._bpe is not None and not add_special_tokens:
-            with contextlib.suppress(UnicodeEncodeError):  # lone surrogates: the Rust path
+            with contextlib.suppress(UnicodeError):  # fastbpe.Declined: the Rust path
                 return self._bpe.encode(text)
         if self._backend is not None:
             return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
@@ -312,7 +312,7 @@ class PromptTokenizer:
         """Ids of ``text`` and its cuts (about every cut_stride tokens), shifted by the bases."""
         self.stats.chars_encoded += len(text)
         if self._bpe is not None:
-            with contextlib.suppress(UnicodeEncodeError):  # lone surrogates: the Rust path
+            with contextlib.suppress(UnicodeError):  # fastbpe.Declined: the Rust path
                 return self._bpe.encode_with_cuts(text, base_char, base_tok, self.cut_stride)
         if self._backend is not None:
             enc = self._backend.encode(text, add_special_tokens=False)
