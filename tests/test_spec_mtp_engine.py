@@ -229,7 +229,7 @@ def _greedy_equals_plain(smollm2, max_tokens=40, **cfg) -> tuple[int, int]:
     return plain_bundle.engine.core.num_steps, bundle.engine.core.num_steps
 
 
-def test_smollm2_mtp_greedy_equals_plain(smollm2):
+def test_smollm2_mtp_greedy_equals_plain(smollm2, one_thread):
     plain_steps, spec_steps = _greedy_equals_plain(smollm2, max_tokens=24)
     assert spec_steps < plain_steps  # some steps emit several tokens
 
@@ -243,5 +243,5 @@ def test_smollm2_mtp_greedy_equals_plain(smollm2):
     ],
     ids=["chunked", "preempting"],
 )
-def test_smollm2_mtp_greedy_equals_plain_chunked_and_preempting(smollm2, cfg):
+def test_smollm2_mtp_greedy_equals_plain_chunked_and_preempting(smollm2, one_thread, cfg):
     _greedy_equals_plain(smollm2, **cfg)
