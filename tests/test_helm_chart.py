@@ -10,6 +10,8 @@ the chart writes that kvmesh does not take fails here."""
 from __future__ import annotations
 
 import base64
+import contextlib
+import io
 import json
 import re
 import shlex
@@ -69,15 +71,19 @@ _RENDERED: dict[str, list[dict]] = {}
 def render(name: str) -> list[dict]:
     """The manifests of one values set, rendered by Helm (cached: each set renders once)."""
     if name not in _RENDERED:
-        with helm.Chart.load(CHART) as chart:
-            files = chart.render(VALUE_SETS[name], name=RELEASE, namespace=NAMESPACE)
-        docs = []
-        for path, text in sorted(files.items()):
-            if path.endswith(".txt"):
-                continue
-            docs.extend(d for d in yaml.safe_load_all(text) if d)
-        _RENDERED[name] = docs
+        _RENDERED[name] = render_values(VALUE_SETS[name])
     return _RENDERED[name]
+
+
+def render_values(values: dict) -> list[dict]:
+    with helm.Chart.load(CHART) as chart:
+        files = chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    docs = []
+    for path, text in sorted(files.items()):
+        if path.endswith(".txt"):
+            continue
+        docs.extend(d for d in yaml.safe_load_all(text) if d)
+    return docs
 
 
 def one(docs: list[dict], kind: str, name: str | None = None) -> dict:
@@ -228,8 +234,11 @@ def _parse_router(args: list[str]):
     from kvmesh.cli import build_parser
     from kvmesh.commands.router import router_config_from
 
-    ns, unknown = build_parser().parse_known_args(args)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        ns, unknown = build_parser().parse_known_args(args)
     assert unknown == [], unknown
+    assert "deprecated" not in err.getvalue(), err.getvalue()  # the chart uses today's names
     return router_config_from(ns, [])
 
 
@@ -258,6 +267,15 @@ def test_router_command_line_is_kvmeshs(values):
     assert config.kv_events == ("tcp://*:5557" if ms.get("type") == "vllm" else "auto")
     env = {e["name"]: e for e in container(router)["env"]}
     assert env["PYTHONHASHSEED"]["value"] == "0"
+
+
+def test_router_tokenizer_and_no_kv_events_take_the_routers_flag_names():
+    values = {"router": {"tokenizer": "/m"}, "modelServer": {"kvEvents": {"enabled": False}}}
+    router = one(render_values(values), "Deployment", f"{RELEASE}-kvmesh-router")
+    args = expand_env(container(router)["args"])
+    assert "--model" in args and "--kv-events-config" in args
+    config = _parse_router(args)
+    assert config.tokenizer == "/m" and config.kv_events is None
 
 
 @pytest.mark.parametrize("values", [v for v in VALUE_SETS if "vllm" not in v])

@@ -92,7 +92,7 @@ async def test_another_tokenizer_refuses_the_start_naming_the_fix(tokenizer) -> 
     message = await refusal(tokenizer, engine)
     assert f"engine {engine.url} (/models/qwen3) tokenizes" in message
     assert "the embedded SmolLM2-135M-Instruct's" in message
-    assert "--tokenizer set to a local copy of /models/qwen3" in message
+    assert "--model set to a local copy of /models/qwen3" in message
     assert "--no-engine-model-check" in message
 
 

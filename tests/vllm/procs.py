@@ -184,7 +184,7 @@ def start_router(endpoints: list[str], tokenizer_dir: Path, log_dir: Path) -> Pr
         "--port", str(port),
         "--block-size", str(BLOCK_SIZE),
         "--prefix-caching-hash-algo", HASH_ALGO,
-        "--tokenizer", str(tokenizer_dir),
+        "--model", str(tokenizer_dir),
         "--scrape-interval", "0.2",
     ]  # fmt: skip
     env = {"PYTHONHASHSEED": HASH_SEED, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}

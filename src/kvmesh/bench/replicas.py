@@ -1,6 +1,7 @@
 """Router replicas, active-active: N `kvmesh router --preset kvmesh` processes over the same
-engines, sharing nothing. Each subscribes to every engine's KV events itself (`--kv-events auto`:
-the sources each engine's /kv_event_sources lists) and scrapes every engine's /metrics itself.
+engines, sharing nothing. Each subscribes to every engine's KV events itself
+(`--kv-events-config auto`: the sources each engine's /kv_event_sources lists) and scrapes every
+engine's /metrics itself.
 A round-robin front spreads the requests over them, one request each in turn: by default a tiny
 HTTP balancer (bench.rr_front) that passes every header on, as a Kubernetes Service or Envoy's
 ROUND_ROBIN would; or (`--replica-front router`) another `kvmesh router --preset round-robin`
@@ -31,10 +32,10 @@ from kvmesh.bench.router_procs import Proc, Target, start_healthy, start_router,
 from kvmesh.protocol.prom import parse_samples
 
 MAX_REPLICAS = 16
-REPLICA_FLAGS = ("--kv-events", "auto")
+REPLICA_FLAGS = ("--kv-events-config", "auto")
 # the front only spreads requests: no KV events, no model probe of routers (a router's
 # /tokenize is not an engine's), block size never asked of routers
-FRONT_FLAGS = ("--kv-events", "none", "--no-engine-model-check")
+FRONT_FLAGS = ("--kv-events-config", "none", "--no-engine-model-check")
 FRONTS = {
     "balancer": "round-robin HTTP balancer (kvmesh.bench.rr_front)",
     "router": "kvmesh router --preset round-robin",

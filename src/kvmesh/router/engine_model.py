@@ -160,7 +160,7 @@ class EngineModelCheck:
                 return (
                     f"engine {url} ({served}) tokenizes {text!r}{how} as {_ids(theirs)} but the "
                     f"router's tokenizer ({self.tokenizer_name}) as {_ids(ours)}, so no prefix "
-                    f"key would match its cache: start the router with --tokenizer set to a "
+                    f"key would match its cache: start the router with --model set to a "
                     f"local copy of {served}"
                 )
         return None
