@@ -15,12 +15,33 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 @pytest.fixture(scope="session")
 def smollm2():
+    """The embedded SmolLM2-135M, loaded on every core; the thread count it found is kept, so
+    loading it inside a module on one_thread leaves that module on one thread."""
     import torch
 
     from kvmesh.engine.models.loader import load_model
 
+    before = torch.get_num_threads()
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
-    return load_model(None, device="cpu", dtype=torch.float32)
+    try:
+        return load_model(None, device="cpu", dtype=torch.float32)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Torch on one intra-op thread from the first test of a module that asks for it (or every
+    test: `pytestmark = pytest.mark.usefixtures("one_thread")`, which also covers the module's
+    own fixtures) to the module's end. On a shared 2-core box a second thread waiting for a busy
+    core stalls every small op of small-batch steps (SmolLM2 engine runs took 6-13x as long with
+    two on a loaded host), and tiny models run faster and the same on a busy host."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -30,12 +30,7 @@ def prompt_ids() -> list[int]:
     return load_gguf_tokenizer(default_gguf_path())(PROMPT)["input_ids"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # torch on one thread: conftest
 
 
 @torch.inference_mode()

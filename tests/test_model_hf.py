@@ -96,14 +96,7 @@ def _perturb(hf) -> None:
             p.normal_(0.0, 0.2, generator=gen)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared 2-core box, a second OpenMP thread waiting for a busy
-    core stalls every small op for a scheduler tick (10x slower steps)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # torch on one thread: conftest
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +142,6 @@ def _tiny_case(arch: str, tmp_path_factory, tokenizer) -> Case:
 def case(request, tmp_path_factory, smol_tokenizer) -> Case:
     if request.param == "smollm2":
         loaded = request.getfixturevalue("smollm2")  # the shared session fixture
-        torch.set_num_threads(1)  # that fixture sets its own count; see one_thread
         return Case(loaded, request.getfixturevalue("hf_smollm2"))  # conftest: shared
     return _tiny_case(request.param, tmp_path_factory, smol_tokenizer)
 

@@ -61,12 +61,7 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # torch on one thread: conftest
 
 
 @pytest.fixture(scope="module")

@@ -30,15 +30,6 @@ TARGET = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "
 DRAFT = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "kv_heads": 1}
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny models run far faster on one thread (and deterministically on a busy host)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def save_tiny(path, tokenizer, seed: int, vocab: int = 61, **shape) -> str:
     """A random Llama as an HF directory (config.json, safetensors, tokenizer files)."""
     hidden, layers = shape["hidden_size"], shape["num_hidden_layers"]

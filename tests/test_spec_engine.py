@@ -23,16 +23,7 @@ PROMPTS = [EDIT, "The capital of France is", f"Copy this text exactly:\n{CODE}\n
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared 2-core box a second one waiting for a busy core stalls
-    every small op (these runs took 6-13x as long with two threads on a loaded host)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # torch on one thread: conftest
 
 
 def run(smollm2, prompts, spec=None, sampling=None, **cfg):

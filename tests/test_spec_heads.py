@@ -39,15 +39,6 @@ DRAFTS = 'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"}'
 Weights = dict[str, torch.Tensor]
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny models run far faster on one thread (and deterministically on a busy host)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # --- checkpoints ------------------------------------------------------------------------------
 
 

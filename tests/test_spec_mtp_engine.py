@@ -37,15 +37,6 @@ MTP = {"method": "mtp", "num_speculative_tokens": K, "model": "smollm2"}
 ACCEPTED = 'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"}'
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny models run far faster on one thread (and deterministically on a busy host)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _tiny(seed: int) -> tuple[LlamaForCausalLM, MultiTokenPredictor]:
     c = ModelConfig(
         vocab_size=61,

@@ -15,16 +15,7 @@ from tests.test_tiers_engine import FILLER, PROMPT
 PER_BLOCK = 2 * 16 * 3 * 64 * 30 * 4  # SmolLM2-135M, float32, 16-token blocks
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared 2-core box a second one waiting for a busy core stalls
-    every small op of these small-batch steps (several times slower on a loaded host)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # torch on one thread: conftest
 
 
 @pytest.fixture

@@ -20,16 +20,7 @@ FILLER = "Rain fell on the harbour and the nets lay drying on the stones all aft
 TINY = {"num_gpu_blocks": 20, "max_model_len": 320, "block_size": 16}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared 2-core box a second one waiting for a busy core stalls
-    every small op of these small-batch steps (several times slower on a loaded host)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # torch on one thread: conftest
 
 
 def complete(url: str, prompt: str, **extra) -> dict:
