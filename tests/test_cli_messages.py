@@ -12,7 +12,7 @@ import pytest
 
 from kvmesh.cli import main
 from kvmesh.commands.checks import DEFAULT_MODEL_ALIASES, model_problem
-from kvmesh.commands.flags import plural
+from kvmesh.protocol.wording import noun_for, plural
 from tests.helpers import free_port
 
 
@@ -24,6 +24,8 @@ def test_plural() -> None:
     ]
     assert plural(1, "emulated engine") == "1 emulated engine"
     assert plural(3, "entry", "entries") == "3 entries"
+    assert [noun_for(n, "layer") for n in (1, 2)] == ["layer", "layers"]
+    assert noun_for(1, "is", "are") == "is" and noun_for(0, "is", "are") == "are"
 
 
 @pytest.mark.parametrize("command", [["serve"], ["serve", "--emulate"], ["up"], ["router"]])

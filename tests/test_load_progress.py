@@ -57,7 +57,7 @@ def in_order(lines: list[str], steps: list[str]) -> bool:
 def test_emulated_serve_says_what_it_loads_before_the_engines_are_up() -> None:
     cmd = [sys.executable, "-m", "kvmesh.cli", "serve", "--emulate", "2", "--port", "0"]
     lines = started(cmd, "engine http://", 60)
-    steps = ["loading the tokenizer", "building 2 emulated engine(s)", "2 emulated engine(s)"]
+    steps = ["loading the tokenizer", "building 2 emulated engines", "2 emulated engines"]
     assert in_order(lines, steps), "".join(lines)
 
 

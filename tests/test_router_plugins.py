@@ -221,7 +221,7 @@ def test_every_plugin_type_is_registered_once_and_builds_on_its_defaults(type_na
     third = {"decode": Profile("decode")} if t.kind == HANDLER else Indexes()
     plugin = build_plugin(type_name, "p", None, third)
     assert isinstance(plugin, Plugin) and plugin.name == "p"
-    with pytest.raises(ValueError, match="unknown parameter.*nope"):
+    with pytest.raises(ValueError, match="unknown parameter nope; known"):
         build_plugin(type_name, "p", {"nope": 1}, third)
 
 

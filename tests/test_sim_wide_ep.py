@@ -15,7 +15,7 @@ from kvmesh.engine.sequence import Request, SamplingParams
 from kvmesh.engine.tokenizer import load_tokenizer
 from kvmesh.sim import replay
 from kvmesh.sim.fleet import FleetSim, FleetSimConfig, SimRequest
-from kvmesh.sim.instances import InstanceUnit
+from kvmesh.sim.instances import InstanceUnit, describe
 from kvmesh.sim.requests import workload_requests
 
 H200, GLM = ACCELERATORS["h200"], MODELS["glm-5.2-moe"]
@@ -124,6 +124,8 @@ def test_gpus_that_do_not_divide_into_instances_are_refused(capsys):
     assert FleetSimConfig(layout="DP32", gpus=544).describe() == (
         "17 DP32/EP32 instances (544 GPUs)"
     )
+    assert describe(1, "dp8", 8) == "1 DP8/EP8 instance (8 GPUs)"
+    assert describe(1, "", 1) == "1 engine"
     with pytest.raises(ValueError, match="not a whole number of DP16/EP16 instances"):
         FleetSimConfig(layout="dp16", gpus=500)
     with pytest.raises(ValueError, match="a layout is tpN or dpN"):

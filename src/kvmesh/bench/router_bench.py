@@ -32,6 +32,7 @@ from kvmesh.bench.router_procs import (
 )
 from kvmesh.bench.router_report import plot, print_tables, targets_summary
 from kvmesh.bench.router_rounds import loop_names, measure_loops, median_rows
+from kvmesh.protocol.wording import plural
 
 EPILOG = """What is measured, for each fleet size and each router (one at a time, same engines):
   added latency  p50/p99 through the router minus p50/p99 straight to an engine, requests sent
@@ -126,7 +127,8 @@ def _interleaved(targets, urls, model, bins, prefix, args, engines, fleet) -> di
             except RuntimeError as exc:
                 fleet["failed"].append({"router": t.label, "error": str(exc)[-600:]})
         for r in range(args.rounds):
-            print(f"[{len(urls)} engines] interleaved, round {r + 1}/{args.rounds} ...", flush=True)
+            engines = plural(len(urls), "engine")
+            print(f"[{engines}] interleaved, round {r + 1}/{args.rounds} ...", flush=True)
             try:
                 by_url, errors = sample(
                     {url: url for _, url in running.values()}, urls, model, args.requests,
@@ -150,7 +152,8 @@ def _sequential(targets, urls, model, bins, prefix, args, engines, fleet) -> dic
     rounds: dict[str, list[dict]] = {}
     for r in range(args.rounds):
         for t in targets:
-            print(f"[{len(urls)} engines] {t.label} (round {r + 1}/{args.rounds}) ...", flush=True)
+            engines = plural(len(urls), "engine")
+            print(f"[{engines}] {t.label} (round {r + 1}/{args.rounds}) ...", flush=True)
             try:
                 proc, url = start_router(t, urls, prefix, bins, args.out)
             except RuntimeError as exc:
@@ -181,7 +184,7 @@ def run_fleet(n: int, targets: list[Target], bins: dict, prefix: list[str], args
             p: post_status(urls[0] + p, {"prompt": "hi", "model": model})
             for p in ("/v1/completions/render", "/tokenize")
         }
-        print(f"[{n} engines] direct closed loop ...", flush=True)
+        print(f"[{plural(n, 'engine')}] direct closed loop ...", flush=True)
         fleet["direct"] = measure_loops(urls, model, args, None, engines)
         fleet["pooled"] = {}  # direct samples of every round
         measure = _interleaved if args.interleave else _sequential

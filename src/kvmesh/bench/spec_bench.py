@@ -33,6 +33,7 @@ from rich.progress import (
 from kvmesh.bench import http_load, spec_report
 from kvmesh.bench.spec_report import ChatResult
 from kvmesh.bench.spec_workloads import BenchRequest, requests
+from kvmesh.protocol.wording import plural
 
 ARMS = {
     "off": None,
@@ -200,7 +201,8 @@ async def measure_arm(url: str, arm: str, plan: Plan, progress) -> dict:
             )
             errors = [f"#{r.index}: {r.error}" for r in got if r.error]
             if errors:
-                raise RuntimeError(f"{len(errors)} requests failed: {'; '.join(errors[:3])}")
+                failed = plural(len(errors), "request")
+                raise RuntimeError(f"{failed} failed: {'; '.join(errors[:3])}")
             runs.setdefault(wl, {})[str(b)] = spec_report.summarize(got) | {"acceptance": acc}
     return runs
 

@@ -35,11 +35,6 @@ def flag_of(name: str, renamed: Renamed | None = None) -> str:
     return "--" + name.replace("_", "-")
 
 
-def plural(count: int, noun: str, nouns: str | None = None) -> str:
-    """'1 endpoint', '2 endpoints', '0 endpoints' (nouns: an irregular plural)."""
-    return f"{count} {noun if count == 1 else (nouns or noun + 's')}"
-
-
 def add_dataclass_args(
     parser: argparse.ArgumentParser, cls, helps: dict[str, str], renamed: Renamed | None = None
 ) -> None:

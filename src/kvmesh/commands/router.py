@@ -7,7 +7,8 @@ import errno
 import sys
 
 from kvmesh.commands.checks import model_problem
-from kvmesh.commands.flags import config_from_args, plural
+from kvmesh.commands.flags import config_from_args
+from kvmesh.protocol.wording import plural
 
 
 async def wait_for_shutdown() -> None:

@@ -8,8 +8,9 @@ import errno
 import sys
 
 from kvmesh.commands.checks import model_problem
-from kvmesh.commands.flags import config_from_args, plural
+from kvmesh.commands.flags import config_from_args
 from kvmesh.engine.config import HASH_ALGOS, SCHEDULING_POLICIES, EngineConfig
+from kvmesh.protocol.wording import plural
 
 ENGINE_HELP = {
     "model": "Model to serve: a local Hugging Face directory (Llama, Qwen2, Qwen3) or 'default' "

@@ -30,10 +30,11 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from kvmesh.commands import up_ports
-from kvmesh.commands.flags import Renamed, config_from_args, flag_of, plural
+from kvmesh.commands.flags import Renamed, config_from_args, flag_of
 from kvmesh.commands.up_supervisor import START_TIMEOUT_S, RestartPolicy, Stack
 from kvmesh.engine.config import EngineConfig
 from kvmesh.protocol import auth
+from kvmesh.protocol.wording import plural
 
 SECRET_FIELDS = {  # EngineConfig field -> the environment variable its child reads it from
     "api_key": auth.API_KEY_ENV,

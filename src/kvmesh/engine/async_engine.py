@@ -15,6 +15,7 @@ from typing import Any
 
 from kvmesh.engine.core import EngineCore, RequestOutput
 from kvmesh.engine.sequence import Request
+from kvmesh.protocol.wording import noun_for, plural
 
 logger = logging.getLogger(__name__)
 
@@ -235,7 +236,10 @@ class AsyncEngine:
         waiting = self.num_waiting
         if waiting + len(requests) > self.max_waiting_requests:
             asked = f"; this request's {len(requests)} would not fit" if len(requests) > 1 else ""
-            raise EngineOverloaded(f"{waiting} requests are waiting{asked}; try again later")
+            are = noun_for(waiting, "is", "are")
+            raise EngineOverloaded(
+                f"{plural(waiting, 'request')} {are} waiting{asked}; try again later"
+            )
         with self._lock:  # under the lock: _fail drains every add made before it set failed
             if self.failed is not None:
                 raise EngineDead(f"engine stopped: {self.failed}")

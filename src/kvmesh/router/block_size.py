@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvmesh.protocol.hashing import DEFAULT_BLOCK_SIZE
+from kvmesh.protocol.wording import noun_for, plural
 
 if TYPE_CHECKING:
     from kvmesh.router.endpoints import Endpoint
@@ -125,9 +126,9 @@ class EngineBlockSize:
             self._event_drops[endpoint] = (logged_at, dropped + 1)
             return False
         logger.error(
-            "dropped %d BlockStored event(s) of %s: block size %d, the router keys prompts "
-            "with %d, so they could never match",
-            dropped + 1, endpoint, size, self.value,
+            "dropped %s of %s: block size %d, the router keys prompts with %d, so %s never match",
+            plural(dropped + 1, "BlockStored event"), endpoint, size, self.value,
+            noun_for(dropped + 1, "it could", "they could"),
         )  # fmt: skip
         self._event_drops[endpoint] = (now, 0)
         return False

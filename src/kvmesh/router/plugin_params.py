@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from kvmesh.protocol.wording import noun_for
+
 
 def with_defaults(what: str, given: Any, declared: Mapping[str, Any]) -> dict[str, Any]:
     """The parameters a factory reads: those given, over the declared defaults. A parameter the
@@ -17,5 +19,6 @@ def with_defaults(what: str, given: Any, declared: Mapping[str, Any]) -> dict[st
     unknown = sorted(set(given) - set(declared))
     if unknown:
         known = ", ".join(sorted(declared)) or "none"
-        raise ValueError(f"{what}: unknown parameter(s) {', '.join(unknown)}; known: {known}")
+        names = f"{noun_for(len(unknown), 'parameter')} {', '.join(unknown)}"
+        raise ValueError(f"{what}: unknown {names}; known: {known}")
     return {**declared, **given}

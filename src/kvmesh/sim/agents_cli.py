@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from kvmesh.protocol.wording import noun_for, plural
 from kvmesh.sim.ablation_cli import add_cost_args
 from kvmesh.sim.agents import AgentConfig, ClosedLoop
 from kvmesh.sim.agents_report import knee, loop_ceiling, print_knee, print_loop_row, summarize_loop
@@ -128,7 +129,8 @@ def main(args: argparse.Namespace, config: FleetSimConfig, specs: list[str]) -> 
             return 2
     if len(args.agents) > 1:
         return sweep(args, config, specs)
-    print(f"{agents.agents} agents for {agents.duration:g} simulated s, {config.describe()}")
+    who = plural(agents.agents, "agent")
+    print(f"{who} for {agents.duration:g} simulated s, {config.describe()}")
     results: dict = {"agents": agents.agents, "duration_s": agents.duration, "policies": {}}
     for spec in specs:
         name, summary = run_agents(config, spec, agents, not args.no_ceiling)
@@ -145,8 +147,8 @@ def sweep(args: argparse.Namespace, config: FleetSimConfig, specs: list[str]) ->
     """Every policy at each count of --agents (same seed): a table per policy, its knee."""
     counts = args.agents
     print(
-        f"{','.join(map(str, counts))} agents for {args.duration:g} simulated s, "
-        f"{config.describe()}"
+        f"{','.join(map(str, counts))} {noun_for(sum(counts), 'agent')} for "
+        f"{args.duration:g} simulated s, {config.describe()}"
     )
     results: dict = {
         "agents": counts,
@@ -161,7 +163,7 @@ def sweep(args: argparse.Namespace, config: FleetSimConfig, specs: list[str]) ->
             name, summary = run_agents(config, spec, agent_config(args, n), not args.no_ceiling)
             if i == 0:
                 print(f"{name}:", flush=True)
-            print_loop_row(f"{n} agents", summary)
+            print_loop_row(plural(n, "agent"), summary)
             points.append(summary)
         at = knee(points)
         print_knee(at, max(counts))

@@ -33,6 +33,7 @@ from kvmesh.engine.emulation.instance_roofline import InstanceRoofline
 from kvmesh.engine.emulation.layouts import build_roofline, layout_name, parse_layout
 from kvmesh.engine.emulation.spec import parse_acceptance
 from kvmesh.engine.sequence import Request
+from kvmesh.protocol.wording import plural
 from kvmesh.router.endpoints import Endpoint, data_parallel_ranks
 from kvmesh.router.plugins.base import ROLE_LABEL
 from kvmesh.sim.quiet import quieten
@@ -213,5 +214,6 @@ def fleet_size(engines: int, gpus: int, layout: str, emu: EmulationConfig) -> in
 def describe(engines: int, layout: str, gpus: int) -> str:
     """'4 engines' or '34 DP16/EP16 instances (544 GPUs)'."""
     if not layout:
-        return f"{engines} engines"
-    return f"{engines} {layout_name(*parse_layout(layout))} instances ({gpus} GPUs)"
+        return plural(engines, "engine")
+    name = layout_name(*parse_layout(layout))
+    return f"{plural(engines, name + ' instance')} ({plural(gpus, 'GPU')})"

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from kvmesh.bench.cli_args import DEFAULT_TRACE, add_workload_params, build_workload
 from kvmesh.protocol.stats import percentile
+from kvmesh.protocol.wording import noun_for, plural
 from kvmesh.sim import agents_cli
 from kvmesh.sim.agents_cli import add_agent_args
 from kvmesh.sim.fleet import FleetSim, FleetSimConfig, SimRecord
@@ -205,10 +206,10 @@ def main(args: argparse.Namespace) -> int:
             print(f"kvmesh sim: no such trace {args.trace}", file=sys.stderr)
             return 2
         source: tuple | list = (args.trace, args.limit, args.start, args.time_scale)
-        what = f"{args.limit or 'all'} requests of {args.trace}"
+        what = f"{args.limit or 'all'} {noun_for(args.limit or 0, 'request')} of {args.trace}"
     else:
         source = workload_requests(build_workload(args, args.workload))
-        what = f"{len(source)} requests of the {args.workload} workload"
+        what = f"{plural(len(source), 'request')} of the {args.workload} workload"
     requests = load_requests(source)
     ceiling = hit_ceiling(requests, config.engine.block_size)
     del requests

@@ -27,6 +27,7 @@ from kvmesh.protocol.tokenizer import (
     load_gguf_tokenizer,
     load_tokenizer,
 )
+from kvmesh.protocol.wording import plural
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +119,9 @@ def _load_hf_dir(path: Path, device, dtype, ep: ExpertParallelConfig | None) -> 
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path}: no *.safetensors weights")
-    load_progress.step("reading the weights: %d safetensors file(s) in %s", len(files), path)
+    load_progress.step(
+        "reading the weights: %s in %s", plural(len(files), "safetensors file"), path
+    )
 
     # the model's own MTP layers follow its decoder layers; spec.target_mtp loads them on demand
     n, extra = config.num_hidden_layers, config.num_nextn_predict_layers

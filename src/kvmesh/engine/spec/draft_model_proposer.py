@@ -38,6 +38,7 @@ from kvmesh.engine.sequence import Request
 from kvmesh.engine.spec.config import SpeculativeConfig
 from kvmesh.engine.spec.speculator import Proposer
 from kvmesh.protocol.tokenizer import DEFAULT_MODEL_NAME
+from kvmesh.protocol.wording import plural
 
 if TYPE_CHECKING:
     from kvmesh.engine.torch_runner import TorchRunner
@@ -90,10 +91,10 @@ class DraftModelProposer(Proposer):
         self.tails: dict[str, _Tail] = {}
         size = sum(c.numel() * c.element_size() for c in self.kv_caches)
         logger.info(
-            "draft model %s: %d layer(s), k=%d, max_model_len %d, KV %.1f MiB "
+            "draft model %s: %s, k=%d, max_model_len %d, KV %.1f MiB "
             "(%d blocks) on top of the target's",
             loaded.path,
-            loaded.config.num_hidden_layers,
+            plural(loaded.config.num_hidden_layers, "layer"),
             self.k,
             self.max_model_len,
             size / 2**20,

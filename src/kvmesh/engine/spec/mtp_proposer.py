@@ -46,6 +46,7 @@ from kvmesh.engine.spec.eagle import EagleDrafter, load_eagle_head
 from kvmesh.engine.spec.mtp import SMOLLM2_MTP_HEAD, MultiTokenPredictor, load_mtp_head
 from kvmesh.engine.spec.speculator import Proposer
 from kvmesh.engine.spec.target_mtp import check_supported, load_target_mtp
+from kvmesh.protocol.wording import plural
 
 if TYPE_CHECKING:
     from kvmesh.engine.torch_runner import TorchRunner
@@ -111,9 +112,9 @@ class MtpProposer(Proposer):
         self.tails: dict[str, _Tail] = {}
         size = sum(c.numel() * c.element_size() for c in self.kv_caches)
         logger.info(
-            "%s drafter: %d layer(s), k=%d, KV %.1f MiB on top of the target's",
+            "%s drafter: %s, k=%d, KV %.1f MiB on top of the target's",
             config.method.upper(),
-            len(self.mtp.layers),
+            plural(len(self.mtp.layers), "layer"),
             self.k,
             size / 2**20,
         )

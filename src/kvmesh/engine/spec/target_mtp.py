@@ -25,6 +25,7 @@ from torch import nn
 
 from kvmesh.engine.models.llama import LlamaForCausalLM, ModelConfig
 from kvmesh.engine.spec.mtp import MultiTokenPredictor
+from kvmesh.protocol.wording import noun_for
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,8 @@ def check_supported(config: ModelConfig) -> None:
     sparse = [first + i for i in range(n) if moe is not None and moe.is_sparse(first + i)]
     if sparse:
         raise ValueError(
-            f"the MTP layer(s) {sparse} of this {config.architecture} are sparse-MoE layers; "
+            f"the MTP {noun_for(len(sparse), 'layer')} {sparse} of this {config.architecture} "
+            f"{noun_for(len(sparse), 'is a sparse-MoE layer', 'are sparse-MoE layers')}; "
             "kvmesh's MTP drafter builds dense decoder layers only (no sparse-MoE MTP block)"
         )
 
