@@ -37,6 +37,26 @@ def test_top_level_help_imports_no_subcommand() -> None:
     assert not {m for m in loaded if m.startswith(("kvmesh.bench.", "kvmesh.sim."))}
 
 
+# what reading a settings dataclass for --help must not pull in: the engine and router proper,
+# their HTTP and array libraries (each settings class lives apart from what it configures)
+NOT_FOR_FLAGS = (
+    *HEAVY,
+    "aiohttp",
+    "numpy",
+    "kvmesh.engine.builder",
+    "kvmesh.engine.emulation.builder",
+    "kvmesh.router.app",
+)
+
+
+@pytest.mark.parametrize("command", ["serve", "router", "up"])
+def test_a_servers_help_reads_settings_not_servers(command) -> None:
+    loaded = _imported_after_parsing([command, "--help"], build_only=True)
+    assert not set(NOT_FOR_FLAGS) & loaded, set(NOT_FOR_FLAGS) & loaded
+    assert "kvmesh.router.config" in loaded or command == "serve"
+    assert "kvmesh.engine.emulation.config" in loaded or command == "router"
+
+
 def test_a_subcommand_imports_only_what_its_flags_need() -> None:
     serve = _imported_after_parsing(["serve", "--port", "0"])
     assert not {*HEAVY, "kvmesh.router.app"} & serve

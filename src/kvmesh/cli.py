@@ -178,7 +178,7 @@ def _add_serve(sub, name: str, text: str) -> None:
     p = sub.add_parser(name, help=text, description=text)
     _listen_args(p)
     add_dataclass_args(p, EngineConfig, ENGINE_HELP)
-    from kvmesh.engine.emulation.builder import EmulationConfig
+    from kvmesh.engine.emulation.config import EmulationConfig
 
     emu = p.add_argument_group(
         "emulation",
@@ -199,7 +199,7 @@ def _add_serve(sub, name: str, text: str) -> None:
     if name == "up":
         from kvmesh.commands.router import ROUTER_HELP
         from kvmesh.commands.serve import UP_ROUTER_FLAGS
-        from kvmesh.router.app import RouterConfig
+        from kvmesh.router.config import RouterConfig
 
         routing = p.add_argument_group(
             "router", "The router's scheduling and failure handling, as `kvmesh router`'s."
@@ -219,7 +219,7 @@ def _add_serve(sub, name: str, text: str) -> None:
 
 def _add_router(sub, text: str) -> None:
     from kvmesh.commands.router import ROUTER_HELP, ROUTER_RENAMED, cmd_router
-    from kvmesh.router.app import RouterConfig
+    from kvmesh.router.config import RouterConfig
 
     rp = sub.add_parser(
         "router",

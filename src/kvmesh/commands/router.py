@@ -121,7 +121,7 @@ ROUTER_RENAMED = {
 
 
 def router_config_from(args: argparse.Namespace, endpoints: list[str]):
-    from kvmesh.router.app import RouterConfig
+    from kvmesh.router.config import RouterConfig
 
     args.endpoints = endpoints
     from kvmesh.protocol.auth import API_KEY_ENV, env_key

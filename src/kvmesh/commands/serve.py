@@ -157,7 +157,7 @@ UP_ROUTER_FLAGS = (
 def up_router_config(config: EngineConfig, args: argparse.Namespace, endpoints, kv_events="auto"):
     """The RouterConfig of `kvmesh up`: the engines' own settings where both have one, the
     router flags given to `up` for the rest."""
-    from kvmesh.router.app import RouterConfig
+    from kvmesh.router.config import RouterConfig
 
     chosen = {name: getattr(args, name) for name in UP_ROUTER_FLAGS if hasattr(args, name)}
     return RouterConfig(
@@ -177,7 +177,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     emu = None
     try:
         config = _engine_config(args)
-        from kvmesh.engine.emulation.builder import EmulationConfig
+        from kvmesh.engine.emulation.config import EmulationConfig
 
         given, base = config_from_args(EmulationConfig, args), EmulationConfig()
         # `serve` emulates when asked (--emulate) or when an --emulate-* flag leaves its default

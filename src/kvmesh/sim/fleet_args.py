@@ -33,7 +33,7 @@ def fleet_config(
     from kvmesh.cli import build_parser
     from kvmesh.commands.flags import config_from_args
     from kvmesh.engine.config import EngineConfig
-    from kvmesh.engine.emulation.builder import EmulationConfig
+    from kvmesh.engine.emulation.config import EmulationConfig
 
     # xxhash unless asked otherwise: the routing is the same, the replay much faster
     argv = ["serve", "--emulate", "--prefix-caching-hash-algo", "xxhash", *shlex.split(serve_args)]

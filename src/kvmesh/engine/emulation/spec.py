@@ -25,25 +25,14 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 
+from kvmesh.engine.emulation.config import (  # noqa: F401 - settings, also this module's API
+    DEFAULT_ACCEPTANCE,
+    parse_acceptance,
+)
 from kvmesh.engine.sequence import Request
 from kvmesh.engine.spec.speculator import Proposer
 
-# GLM-5-class MTP, conditional per draft position (the last repeats past it); fitted to the
-# llm-d GLM-5.2 guide's ~60 vs ~26 output tok/s per user with and without MTP 3 (the guide
-# gives no acceptance rate): 1 + 0.8 + 0.8*0.7 + 0.8*0.7*0.6 = 2.70 tokens per step.
-DEFAULT_ACCEPTANCE = (0.8, 0.7, 0.6)
 MODEL_DRAFTERS = ("mtp", "eagle", "eagle3", "draft_model")
-
-
-def parse_acceptance(text: str) -> tuple[float, ...]:
-    """'0.8,0.7,0.6' -> conditional acceptance per draft position, each in [0, 1]."""
-    try:
-        rates = tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise ValueError(f"--emulate-spec-acceptance: not a list of numbers: {text!r}") from None
-    if not rates or any(not 0.0 <= r <= 1.0 for r in rates):
-        raise ValueError(f"--emulate-spec-acceptance: rates in [0, 1], comma-separated: {text!r}")
-    return rates
 
 
 def expected_tokens_per_step(rates: Sequence[float], k: int) -> float:
