@@ -1,5 +1,5 @@
-"""What `kvmesh` says first: a wrong --model path before any load-time talk, counts with the
-right plural."""
+"""What `kvmesh` says first: a wrong --model path before any load-time talk, a load line with no
+time estimate it cannot keep, counts with the right plural."""
 
 from __future__ import annotations
 
@@ -64,6 +64,35 @@ def test_the_embedded_model_has_the_loaders_names() -> None:
     from kvmesh.engine.models.loader import DEFAULT_ALIASES
 
     assert set(DEFAULT_ALIASES) == {None, *DEFAULT_MODEL_ALIASES}
+
+
+@pytest.mark.parametrize(
+    "model, said",
+    [
+        (None, "loading the embedded SmolLM2-135M-Instruct on cpu (can take a minute on a busy"),
+        ("smollm2", "loading the embedded SmolLM2-135M-Instruct on cpu"),
+        ("/models/qwen3", "loading /models/qwen3 on cpu..."),
+    ],
+)
+def test_the_load_line_names_the_model_and_no_time_it_cannot_keep(
+    model, said, monkeypatch, caplog
+) -> None:
+    import torch
+
+    from kvmesh.engine import builder
+    from kvmesh.engine.config import EngineConfig
+    from kvmesh.engine.models import loader
+
+    def stop(*args, **kwargs):
+        raise RuntimeError("stopped before the load")
+
+    monkeypatch.setattr(loader, "load_model", stop)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # the session's stays as is
+    monkeypatch.setattr(torch, "manual_seed", lambda seed: None)
+    with caplog.at_level(logging.INFO, "kvmesh.engine.builder"), pytest.raises(RuntimeError):
+        builder.build_engine(EngineConfig(model=model))
+    assert said in caplog.text and " s " not in caplog.text and "10-40" not in caplog.text
+    assert ("embedded" in caplog.text) == (model != "/models/qwen3")
 
 
 def test_the_routers_ready_line_counts_one_endpoint_in_the_singular() -> None:

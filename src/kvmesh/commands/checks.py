@@ -5,15 +5,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# the embedded model's names (engine.models.loader.DEFAULT_ALIASES, which imports torch)
-DEFAULT_MODEL_ALIASES = ("default", "smollm2")
+from kvmesh.protocol.tokenizer import DEFAULT_MODEL_ALIASES, is_default_model
+
+__all__ = ["DEFAULT_MODEL_ALIASES", "TOKENIZER_FILES", "model_problem"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json")
 
 
 def model_problem(model: str | None, *, weights: bool) -> str | None:
     """What is wrong with --model `model`, or None. weights: the model's weights will be loaded
     (a real engine); else only its tokenizer (the router, emulated engines)."""
-    if model is None or model in DEFAULT_MODEL_ALIASES:
+    if is_default_model(model):
         return None
     path = Path(model).expanduser()
     what = "a local Hugging Face model directory, a .gguf file or 'default'"

@@ -21,6 +21,7 @@ from kvmesh.engine.runner import ModelRunner
 from kvmesh.engine.scheduler import Scheduler, SchedulerConfig
 from kvmesh.engine.serving import OpenAIServing
 from kvmesh.engine.tiers import MEDIUM_CPU, MEDIUM_DISK
+from kvmesh.protocol.tokenizer import DEFAULT_MODEL_NAME, is_default_model
 from kvmesh.protocol.zmq_events import KVEventsConfig, make_event_publisher
 
 logger = logging.getLogger(__name__)
@@ -167,11 +168,14 @@ def build_engine(config: EngineConfig, expert_parallel=None) -> EngineBundle:
     """expert_parallel: this data-parallel rank's models.expert_parallel.ExpertParallelConfig
     (a MoE model then loads only the experts the rank holds)."""
     t0 = time.perf_counter()
-    logger.info(
-        "loading %s on %s (the embedded model takes 10-40 s on a small CPU)...",
-        config.model or "the embedded SmolLM2-135M-Instruct",
-        config.device,
-    )
+    if is_default_model(config.model):
+        logger.info(
+            "loading the embedded %s on %s (can take a minute on a busy small CPU)...",
+            DEFAULT_MODEL_NAME,
+            config.device,
+        )
+    else:
+        logger.info("loading %s on %s...", config.model, config.device)
     import torch
 
     from kvmesh.engine.models.loader import load_model

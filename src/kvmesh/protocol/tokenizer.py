@@ -21,6 +21,12 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_ALIASES = ("default", "smollm2")  # --model values naming the embedded model
+
+
+def is_default_model(model: str | None) -> bool:
+    """Whether --model `model` (None: not given) is the embedded SmolLM2."""
+    return model is None or model in DEFAULT_MODEL_ALIASES
 
 
 def default_gguf_path() -> Path:
@@ -83,7 +89,7 @@ def load_gguf_tokenizer(gguf: Path) -> Any:
 def load_tokenizer(model: str | None) -> tuple[Any, str]:
     """(tokenizer, served name) for a model path, or for the default model when None."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if model in (None, "default", "smollm2"):
+    if is_default_model(model):
         return load_gguf_tokenizer(default_gguf_path()), DEFAULT_MODEL_NAME
     path = Path(model)
     if path.suffix == ".gguf" and path.is_file():

@@ -22,6 +22,7 @@ from kvmesh.engine.models.expert_parallel import ExpertParallelConfig
 from kvmesh.engine.models.llama import ARCHITECTURES, LlamaForCausalLM, ModelConfig
 from kvmesh.engine.models.moe import MoeConfig, MoeForCausalLM
 from kvmesh.protocol.tokenizer import (
+    DEFAULT_MODEL_ALIASES,
     DEFAULT_MODEL_NAME,
     default_gguf_path,
     load_gguf_tokenizer,
@@ -31,7 +32,7 @@ from kvmesh.protocol.wording import plural
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_ALIASES = (None, "default", "smollm2")
+DEFAULT_ALIASES = (None, *DEFAULT_MODEL_ALIASES)
 
 # llama.cpp tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
 _GGUF_LAYER_NAMES = {
