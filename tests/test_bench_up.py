@@ -63,7 +63,10 @@ def test_regime_says_whether_one_engine_or_only_the_fleet_holds_the_groups() -> 
     assert regime([16384, None], 16, 3000)["regime"] == "unknown"
     line = regime_line(small)
     assert "16,384 tokens per engine (65,536 over 4)" in line
-    assert "16 groups x 3,000-token prefix = 48,000 tokens: one engine holds 5" in line
+    assert "16 groups x 3,000-token prefix = 48,000 tokens: one engine holds 5 of the 16" in line
+    assert line.endswith("the fleet 16 (the fleet holds every group's prefix, one engine does not)")
+    # what one engine or the fleet could hold beyond the groups there are is not counted
+    assert "one engine holds 5 of the 8, the fleet 8 (" in regime_line(regime([16384] * 4, 8, 3000))
 
 
 def test_cache_lines_state_the_regime_once_per_fleet() -> None:
@@ -74,7 +77,7 @@ def test_cache_lines_state_the_regime_once_per_fleet() -> None:
         "b: kvmesh up [round-robin]": {"kv_cache_tokens": [16384] * 4},
     }
     (line,) = cache_lines(wl, rows)
-    assert "one engine holds 5 of them, the fleet 21" in line
+    assert "one engine holds 5 of the 16, the fleet 16" in line
     assert line.endswith("[b: kvmesh up, c: serve + router]")
     (line,) = cache_lines(
         agentic(sessions=1, turns=1), {"b: kvmesh up [kvmesh]": rows["b: kvmesh up [kvmesh]"]}

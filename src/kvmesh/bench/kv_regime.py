@@ -52,9 +52,9 @@ def regime_line(r: dict) -> str:
     groups += f" = {r['prefixes_tokens']:,} tokens"
     if r["kv_tokens_per_engine"] is None:
         return f"KV cache per engine unknown; {groups}"
+    one, fleet = (min(r[k], r["groups"]) for k in ("groups_one_engine_holds", "groups_fleet_holds"))
     return (
         f"KV cache {r['kv_tokens_per_engine']:,} tokens per engine "
         f"({r['kv_tokens_fleet']:,} over {r['engines']}); {groups}: one engine holds "
-        f"{r['groups_one_engine_holds']} of them, the fleet {r['groups_fleet_holds']} "
-        f"({r['regime']})"
+        f"{one} of the {r['groups']}, the fleet {fleet} ({r['regime']})"
     )
