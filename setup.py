@@ -17,7 +17,10 @@ COMPILED = [
     "kvmesh/protocol/prompt",
     "kvmesh/router/approx_index",
     "kvmesh/router/block_keys",
+    "kvmesh/router/forward",
     "kvmesh/router/forward_load",
+    "kvmesh/router/frontdoor",
+    "kvmesh/router/handlers",
     "kvmesh/router/index",
     "kvmesh/router/pipeline",
     "kvmesh/router/plugins/latency",
@@ -28,9 +31,11 @@ COMPILED = [
     "kvmesh/router/plugins/scorers",
     "kvmesh/router/plugins/state",
     "kvmesh/router/proxy",
+    "kvmesh/router/request_parser",
     "kvmesh/router/request_reader",
     "kvmesh/router/text_runs",
     "kvmesh/router/tokens",
+    "kvmesh/router/upstream_pool",
 ]
 
 
