@@ -127,8 +127,8 @@ def _interleaved(targets, urls, model, bins, prefix, args, engines, fleet) -> di
             except RuntimeError as exc:
                 fleet["failed"].append({"router": t.label, "error": str(exc)[-600:]})
         for r in range(args.rounds):
-            engines = plural(len(urls), "engine")
-            print(f"[{engines}] interleaved, round {r + 1}/{args.rounds} ...", flush=True)
+            fleet_size = plural(len(urls), "engine")
+            print(f"[{fleet_size}] interleaved, round {r + 1}/{args.rounds} ...", flush=True)
             try:
                 by_url, errors = sample(
                     {url: url for _, url in running.values()}, urls, model, args.requests,
@@ -152,8 +152,8 @@ def _sequential(targets, urls, model, bins, prefix, args, engines, fleet) -> dic
     rounds: dict[str, list[dict]] = {}
     for r in range(args.rounds):
         for t in targets:
-            engines = plural(len(urls), "engine")
-            print(f"[{engines}] {t.label} (round {r + 1}/{args.rounds}) ...", flush=True)
+            fleet_size = plural(len(urls), "engine")
+            print(f"[{fleet_size}] {t.label} (round {r + 1}/{args.rounds}) ...", flush=True)
             try:
                 proc, url = start_router(t, urls, prefix, bins, args.out)
             except RuntimeError as exc:
