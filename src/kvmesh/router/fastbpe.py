@@ -18,6 +18,7 @@ lets the event loop run).
 from __future__ import annotations
 
 import json
+import os
 import re
 import unicodedata
 from bisect import bisect_left
@@ -30,6 +31,8 @@ import regex
 try:
     from kvmesh.router._bytelevel import AsciiScanner
 except ImportError:  # not built (no C compiler at install): the Python path does it all
+    AsciiScanner = None
+if os.environ.get("KVMESH_PURE_PYTHON", "") not in ("", "0"):  # the twin on purpose
     AsciiScanner = None
 
 SCAN_CHARS = 65_536  # the longest text the compiled scan takes (it holds the GIL throughout)
