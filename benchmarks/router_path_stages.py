@@ -137,8 +137,8 @@ def main() -> None:
         child += [args.presets, "-n", str(args.n), "--rounds", str(args.rounds)]
         pure = json.loads(subprocess.run(child, env=env, capture_output=True, text=True,
                                          check=True).stdout.splitlines()[-1])  # fmt: skip
-        columns = {f"{p} (compiled)": got[p] for p in presets}
-        columns.update({f"{p} (Python)": pure[p] for p in presets})
+        columns = {f"{p} (compiled scan)": got[p] for p in presets}
+        columns.update({f"{p} (Python twin)": pure[p] for p in presets})
     print(f"router CPU per request, us, {args.kind} prompt ({args.n} requests, least of "
           f"{args.rounds} rounds; stages inclusive, indented under their parent)")  # fmt: skip
     print(f"| stage | {' | '.join(columns)} |")
