@@ -80,7 +80,7 @@ def setups(args: argparse.Namespace, out: Path, preset: str) -> list[Setup]:
     route = [*kvmesh, "router", "--port", str(port), "--preset", preset]
     route += [arg for url in engines for arg in ("--endpoint", url)]
     if not args.events:
-        route += ["--kv-events", "none"]
+        route += ["--kv-events" if args.sep_src else "--kv-events-config", "none"]  # older src
     route += shlex.split(args.router_args)
     found = {
         "a": Setup(f"a: kvmesh up (old) [{preset}]", [up], router, engines, args.old_src),
