@@ -1,5 +1,5 @@
-"""Schemas of the CRD kinds the Helm chart writes (InferencePool, Gateway, HTTPRoute) and their
-CEL rules, for tests/test_helm_chart.py."""
+"""Schemas of the CRD kinds the Helm chart writes (InferencePool, Gateway, HTTPRoute,
+ServiceMonitor, PodMonitor) and their CEL rules, for tests/test_helm_chart.py."""
 
 from __future__ import annotations
 
@@ -34,6 +34,9 @@ LABEL_VALUE = {
     "pattern": r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$",
 }
 DURATION = {"type": "string", "pattern": r"^([0-9]{1,5}(h|m|s|ms)){1,4}$"}
+PROM_DURATION = {"type": "string",
+                 "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?"
+                            r"(([0-9]+)s)?(([0-9]+)ms)?)$"}  # fmt: skip
 METADATA = {
     "type": "object",
     "required": ["name"],
@@ -81,6 +84,30 @@ CRD_SCHEMAS = {
                 "failureMode": {"enum": ["FailOpen", "FailClose"]},
             }, ["name"]),
         }, ["selector", "targetPorts"]),
+    ),
+    # Prometheus Operator (prometheus-operator/prometheus-operator, example/prometheus-operator-crd
+    # monitoring.coreos.com_{servicemonitors,podmonitors}.yaml, version v1)
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): _crd(
+        "monitoring.coreos.com/v1", "ServiceMonitor",
+        _obj({
+            "selector": _obj({"matchLabels": {"type": "object", "minProperties": 1,
+                                              "additionalProperties": LABEL_VALUE}}),
+            "namespaceSelector": _obj({"matchNames": {"type": "array", "items": NS}}),
+            "endpoints": {"type": "array", "minItems": 1, "items": _obj({
+                "port": {"type": "string", "minLength": 1}, "path": {"type": "string"},
+                "interval": PROM_DURATION, "scrapeTimeout": PROM_DURATION})},
+        }, ["selector", "endpoints"]),
+    ),
+    ("monitoring.coreos.com/v1", "PodMonitor"): _crd(
+        "monitoring.coreos.com/v1", "PodMonitor",
+        _obj({
+            "selector": _obj({"matchLabels": {"type": "object", "minProperties": 1,
+                                              "additionalProperties": LABEL_VALUE}}),
+            "namespaceSelector": _obj({"matchNames": {"type": "array", "items": NS}}),
+            "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": _obj({
+                "port": {"type": "string", "minLength": 1}, "path": {"type": "string"},
+                "interval": PROM_DURATION, "scrapeTimeout": PROM_DURATION})},
+        }, ["selector", "podMetricsEndpoints"]),
     ),
     ("gateway.networking.k8s.io/v1", "Gateway"): _crd(
         "gateway.networking.k8s.io/v1", "Gateway",
@@ -137,3 +164,16 @@ def check_crd_rules(doc: dict) -> None:
                 path = match.get("path", {})
                 if path.get("type", "PathPrefix") in ("Exact", "PathPrefix"):
                     assert path.get("value", "/").startswith("/")
+
+
+def inference_pool_schema(crd_version: str) -> dict:
+    """InferencePool v1 as a given Inference Extension release's CRD has it: spec.appProtocol
+    arrived in v1.4.0 (api/v1/inferencepool_types.go at the release tags: v1.0.0-v1.3.1 have no
+    such field, and the API server's strict field validation refuses it, or it is pruned)."""
+    import copy
+
+    schema = copy.deepcopy(CRD_SCHEMAS[("inference.networking.k8s.io/v1", "InferencePool")])
+    major, minor = (int(x) for x in crd_version.lstrip("v").split(".")[:2])
+    if (major, minor) < (1, 4):
+        del schema["properties"]["spec"]["properties"]["appProtocol"]
+    return schema

@@ -53,6 +53,12 @@ VALUE_SETS: dict[str, dict] = {
         "pd": {"enabled": True},
         "auth": {"existingSecret": "kvmesh-keys", "useApiKey": True},
     },
+    "hardened": {
+        "router": {"replicas": 3, "podAntiAffinity": "hard"},
+        "inferencePool": {"crdVersion": "v1.4.0", "appProtocol": "kubernetes.io/h2c"},
+        "networkPolicy": {"enabled": True},
+        "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+    },
     "scheduler-config": {
         "router": {
             "replicas": 2,
@@ -348,7 +354,12 @@ def test_vllm_pods_command_line(values):
         assert c["resources"]["limits"]["nvidia.com/gpu"] == ms["gpus"]
         env = {e["name"]: e for e in c["env"]}
         assert env["PYTHONHASHSEED"]["value"] == "0"
-        assert "securityContext" not in d["spec"]["template"]["spec"]  # the image runs as root
+        # the image runs as root; the chart runs it as a user, HOME and vLLM's caches writable
+        pod_security = d["spec"]["template"]["spec"]["securityContext"]
+        assert pod_security["runAsNonRoot"] is True and pod_security["runAsUser"] != 0
+        mounts = {m["mountPath"] for m in c["volumeMounts"]}
+        assert env["HOME"]["value"] in mounts
+        assert env["VLLM_CACHE_ROOT"]["value"].startswith(env["HOME"]["value"] + "/")
         if not VALUE_SETS[values].get("pd", {}).get("enabled"):
             assert "--kv-transfer-config" not in args
             continue

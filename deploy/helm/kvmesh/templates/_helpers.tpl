@@ -121,3 +121,61 @@ the host tier as --kv-offloading-size instead, so for them only the P/D connecto
 {{- dict "kv_connector" "MultiConnector" "kv_role" "kv_both" "kv_connector_extra_config" (dict "connectors" $connectors) | toJson }}
 {{- end }}
 {{- end }}
+
+{{/* A read-only root filesystem's writable paths: /tmp and HOME, both emptyDirs. HOME holds
+what the processes cache (kvmesh's converted tokenizer, HF_HOME, torch, triton, vLLM). */}}
+{{- define "kvmesh.homeDir" -}}/home/app{{- end }}
+
+{{- define "kvmesh.writableEnv" -}}
+- name: HOME
+  value: {{ include "kvmesh.homeDir" . }}
+- name: XDG_CACHE_HOME
+  value: {{ include "kvmesh.homeDir" . }}/.cache
+- name: HF_HOME
+  value: {{ include "kvmesh.homeDir" . }}/.cache/huggingface
+{{- end }}
+
+{{- define "kvmesh.writableMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: home
+  mountPath: {{ include "kvmesh.homeDir" . }}
+{{- end }}
+
+{{/* The volumes, from a dict with the two size limits ("" : unbounded). */}}
+{{- define "kvmesh.writableVolumes" -}}
+- name: tmp
+  emptyDir:
+    {{- with .tmp }}
+    sizeLimit: {{ . }}
+    {{- else }} {}
+    {{- end }}
+- name: home
+  emptyDir:
+    {{- with .home }}
+    sizeLimit: {{ . }}
+    {{- else }} {}
+    {{- end }}
+{{- end }}
+
+{{/* preStop: the kubelet's sleep action (Kubernetes 1.30+, the chart's kubeVersion), so no
+binary is needed in the image; 0 seconds: none. */}}
+{{- define "kvmesh.lifecycle" -}}
+{{- if gt (int .) 0 }}
+lifecycle:
+  preStop:
+    sleep:
+      seconds: {{ int . }}
+{{- end }}
+{{- end }}
+
+{{/* InferencePool spec.appProtocol, only where the declared CRD release has the field
+(v1.4.0 on); with older CRDs only http, their behaviour, can be asked for. */}}
+{{- define "kvmesh.poolAppProtocol" -}}
+{{- $pool := .Values.inferencePool }}
+{{- if semverCompare ">=1.4.0-0" (toString $pool.crdVersion) }}
+  appProtocol: {{ $pool.appProtocol }}
+{{- else if ne $pool.appProtocol "http" }}
+{{- fail (printf "inferencePool.appProtocol %s needs the Inference Extension CRDs v1.4.0 or later (inferencePool.crdVersion is %s)" $pool.appProtocol (toString $pool.crdVersion)) }}
+{{- end }}
+{{- end }}
