@@ -3,9 +3,10 @@
 The chart is rendered by Helm's own engine (helm-python-sdk: Helm v4's Go SDK behind a C ABI,
 no cluster, no network) for several values sets; every manifest is checked against the
 Kubernetes JSON schemas (kubernetes-validate, strict: unknown fields fail) or, for the CRD kinds
-(InferencePool, Gateway, HTTPRoute), against the schemas below, written from the published
-CRDs. The engine and router command lines are parsed by kvmesh's own CLI parser, so a flag
-the chart writes that kvmesh does not take fails here."""
+(InferencePool, Gateway, HTTPRoute, ServiceMonitor, PodMonitor), against the schemas in
+tests/helm_crd_schemas.py, written from the published CRDs (the InferencePool's as the CRD
+release the values declare has it). The engine and router command lines are parsed by kvmesh's
+own CLI parser, so a flag the chart writes that kvmesh does not take fails here."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helm_crd_schemas import CRD_SCHEMAS, check_crd_rules
+from tests.helm_crd_schemas import CRD_SCHEMAS, check_crd_rules, inference_pool_schema
 
 helm = pytest.importorskip("helm_python", reason="needs helm-python-sdk (the test extra)")
 kubernetes_validate = pytest.importorskip(
@@ -132,7 +133,11 @@ def test_every_manifest_is_valid(values):
     assert {"Deployment", "Service", "Role", "RoleBinding", "InferencePool"} <= set(kinds)
     for doc in docs:
         key = (doc["apiVersion"], doc["kind"])
-        if key in CRD_SCHEMAS:
+        if doc["kind"] == "InferencePool":  # as the CRD release the values declare has it
+            crd = VALUE_SETS[values].get("inferencePool", {}).get("crdVersion", "v1.0.0")
+            jsonschema.validate(doc, inference_pool_schema(crd))
+            check_crd_rules(doc)
+        elif key in CRD_SCHEMAS:
             jsonschema.validate(doc, CRD_SCHEMAS[key])
             check_crd_rules(doc)
         else:
