@@ -211,7 +211,7 @@ def test_read_only_root_has_tmp_and_home_on_emptydirs(values):
         # torch/triton caches, vLLM's cache and config) is under /tmp or HOME, both emptyDirs
         writes = [env["XDG_CACHE_HOME"], env["HF_HOME"]]
         if c["name"] == "vllm":
-            writes += [env["VLLM_CACHE_ROOT"], env["VLLM_CONFIG_ROOT"]]
+            writes += [env["VLLM_CACHE_ROOT"], env["VLLM_CONFIG_ROOT"], env["NUMBA_CACHE_DIR"]]
             assert env["USER"]  # getpass.getuser() for a uid the image has no account for
         for path in writes:
             assert path.startswith(home + "/"), path
