@@ -424,3 +424,16 @@ def test_h2c_needs_crds_that_have_app_protocol():
             name=RELEASE,
             namespace=NAMESPACE,
         )
+
+
+@pytest.mark.parametrize("values", ["defaults", "vllm", "hardened"])
+@pytest.mark.parametrize("k8s", ["1.30.0", kubernetes_validate.latest_version()])
+def test_valid_from_the_charts_minimum_kubernetes_to_the_newest(values, k8s):
+    """The fields the hardening uses (the preStop sleep action, PDB, NetworkPolicy) exist in the
+    schemas of the chart's kubeVersion floor and of the newest release."""
+    minimum = yaml.safe_load((CHART / "Chart.yaml").read_text())["kubeVersion"]
+    assert minimum == ">=1.30.0-0"
+    for doc in render(values):
+        if doc["apiVersion"].split("/")[0] in ("v1", "apps", "policy", "networking.k8s.io",
+                                                "rbac.authorization.k8s.io"):  # fmt: skip
+            kubernetes_validate.validate(doc, k8s, strict=True)
