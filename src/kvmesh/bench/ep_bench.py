@@ -21,6 +21,7 @@ from pathlib import Path
 
 from kvmesh.bench.ep_load import ClosedLoop, Traffic
 from kvmesh.bench.ep_report import compare_text, plot, print_table
+from kvmesh.bench.progress import BenchRun
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.emulation.dp_group import DPGroup
 from kvmesh.engine.emulation.expert_load import PLACEMENTS, ExpertRouting
@@ -151,9 +152,7 @@ def _config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-def run(args: argparse.Namespace) -> dict:
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
+def run(args: argparse.Namespace, bench: BenchRun) -> dict:
     from kvmesh.engine.tokenizer import load_tokenizer
 
     if args.quick:
@@ -177,39 +176,47 @@ def run(args: argparse.Namespace) -> dict:
     context = args.input_len + args.output_len // 2
     results: list[dict] = []
     per_run = args.warmup_steps + args.steps
-    columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
-    with Progress(*columns) as progress:
-        task = progress.add_task("ep", total=len(layouts) * len(levels) * per_run)
-        for kind, n in layouts:
-            name = layout_name(kind, n)
-            for users in levels:
-                progress.update(task, description=f"{name:>10} C={users:<5}")
-                row = {"layout": name, "gpus": n, "concurrency": users}
-                done_before = progress.tasks[0].completed
-                try:
-                    roofline = build_roofline(kind, n, args)
-                except ValueError as exc:  # the model does not fit this layout on this GPU
-                    results.append({**row, "error": str(exc)})
-                    progress.update(task, completed=done_before + per_run)
-                    continue
-                group = DPGroup(roofline, _config(args), tokenizer)
-                loop = ClosedLoop(group, traffic, users, args.seed)
-                loop.start(warm=True)
-                window = loop.run(args.warmup_steps, args.steps, lambda: progress.advance(task))
-                row.update(window.summary(roofline.num_gpus, roofline.dp_size))
-                row["kv_tokens_per_rank"] = group.num_blocks * args.block_size
-                row["decode_only"] = decode_only(roofline, users, context, args)
-                results.append(row)
-                progress.update(task, completed=done_before + per_run)
+    bench.total = len(layouts) * len(levels)
+    progress = bench.progress
+    for kind, n in layouts:
+        name = layout_name(kind, n)
+        for users in levels:
+            label = f"{name} C={users}"
+            row = {"layout": name, "gpus": n, "concurrency": users}
+            try:
+                roofline = build_roofline(kind, n, args)
+            except ValueError as exc:  # the model does not fit this layout on this GPU
+                results.append({**row, "error": str(exc)})
+                bench.add(results[-1], label)
+                continue
+            task = progress.add_task(f"{label}: steps", total=per_run)
+            group = DPGroup(roofline, _config(args), tokenizer)
+            loop = ClosedLoop(group, traffic, users, args.seed)
+            loop.start(warm=True)
+            window = loop.run(args.warmup_steps, args.steps, lambda t=task: progress.advance(t))
+            progress.update(task, completed=per_run)
+            row.update(window.summary(roofline.num_gpus, roofline.dp_size))
+            row["kv_tokens_per_rank"] = group.num_blocks * args.block_size
+            row["decode_only"] = decode_only(roofline, users, context, args)
+            results.append(row)
+            bench.add(row, label)
     return {"results": results}
 
 
-def main(args: argparse.Namespace) -> int:
-    started = time.time()
-    out = run(args)
+def _config_of(args: argparse.Namespace) -> dict:
     cfg = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     cfg.pop("func", None)
-    out["config"] = cfg
+    return cfg
+
+
+def main(args: argparse.Namespace) -> int:
+    return BenchRun("ep", args.out, config=_config_of(args)).call(_main, args)
+
+
+def _main(args: argparse.Namespace, bench: BenchRun) -> int:
+    started = time.time()
+    out = run(args, bench)
+    out["config"] = _config_of(args)
     out["reference"] = {"llm-d wide-EP output tok/s per H200": LLMD_TOK_S_PER_GPU}
     out["guide_setting"] = guide_setting(args)
     out["comparison"] = compare_text(out["results"], out["guide_setting"], LLMD_TOK_S_PER_GPU)
