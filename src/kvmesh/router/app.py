@@ -34,6 +34,9 @@ decisions = logging.getLogger("kvmesh.router.decisions")
 
 
 class Router:
+    """The router's state (router.state.RouterState, as its routes and forwards read it), its
+    lifecycle, and the handler its front doors call."""
+
     def __init__(self, config: RouterConfig, tokenizer) -> None:
         from kvmesh.router.tokens import PromptTokenizer
 

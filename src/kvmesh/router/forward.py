@@ -1,7 +1,8 @@
 """One request forwarded to one endpoint over one connection, driven by the connection's
-callbacks alone: no task, future or timer of its own. The endpoint's Watchdog sweeps the
-forwards in flight for a late first byte and for a stalled stream. A forward ends, once, in
-``settled(outcome)`` (awaited by a task through ``attempt``), one of:
+callbacks alone: no task, future or timer of its own. The endpoint's Watchdog
+(router.upstream_pool) sweeps the forwards in flight for a late first byte and for a stalled
+stream. A forward ends, once, in ``settled(outcome)`` (awaited by a task through ``attempt``),
+one of:
 
 ANSWERED   the client has the answer: in full, or cut mid-way and ended with an SSE error event
 RETRY      failed before the first byte (counted against the endpoint): another may serve it
@@ -18,19 +19,15 @@ from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
-from kvmesh.router.proxy import Exchange, StreamIdle, Upstream, UpstreamError
+from kvmesh.router.proxy import Client, Exchange, StreamIdle, Upstream, UpstreamError
 
 if TYPE_CHECKING:
-    from kvmesh.router.app import Router
     from kvmesh.router.endpoints import Endpoint
-    from kvmesh.router.frontdoor import FrontDoor
+    from kvmesh.router.state import RouterState
     from kvmesh.router.upstream_pool import Link
 
 logger = logging.getLogger(__name__)
 ANSWERED, RETRY, STALE, CANCELLED = "answered", "retry", "stale", "cancelled"
-# sweeps come every eighth of the shortest limit a forward runs under (so a limit is enforced
-# at most that much late), within these bounds in seconds
-MIN_SWEEP, MAX_SWEEP = 0.005, 1.0
 _BROKE = b'data: {"error": {"message": "upstream stream broke", "type": "InternalServerError", "code": 502}}\n\n'  # noqa: E501
 _STALLED = b'data: {"error": {"message": "upstream stream stalled", "type": "InternalServerError", "code": 504}}\n\n'  # noqa: E501
 
@@ -42,7 +39,7 @@ class _Stream(msgspec.Struct):
 _stream_flag = msgspec.json.Decoder(_Stream)
 
 
-def non_streaming_patience(router: Router, body: bytes) -> float:
+def non_streaming_patience(router: RouterState, body: bytes) -> float:
     """Seconds to wait beyond the first-byte timeout: a non-streaming answer's head comes only
     with the whole completion. Read only once the first-byte timeout has passed."""
     try:
@@ -62,42 +59,6 @@ class Charge(Protocol):
     def passed(self) -> None: ...
 
 
-class Watchdog:
-    """The unsettled forwards to one endpoint, each checked once per sweep; sweeps run only
-    while there are some, at the pace the shortest limit any of them runs under asks for."""
-
-    __slots__ = ("forwards", "every", "limit", "timer")
-
-    def __init__(self) -> None:
-        self.forwards: set[Forward] = set()
-        self.every, self.limit = MAX_SWEEP, float("inf")
-        self.timer: asyncio.TimerHandle | None = None
-
-    def add(self, fw: Forward, limit: float) -> None:
-        """Watch fw, whose shortest limit (first byte or stream idle) is ``limit`` seconds."""
-        self.forwards.add(fw)
-        if limit < self.limit:
-            self.limit, self.every = limit, max(MIN_SWEEP, min(MAX_SWEEP, limit / 8))
-            if self.timer is not None:
-                self.timer.cancel()
-                self.timer = None
-        if self.timer is None:
-            self.timer = asyncio.get_running_loop().call_later(self.every, self.sweep)
-
-    def sweep(self) -> None:
-        self.timer = None
-        now = monotonic()
-        for fw in list(self.forwards):
-            fw.check(now)
-        if self.forwards:
-            self.timer = asyncio.get_running_loop().call_later(self.every, self.sweep)
-
-    def close(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-
-
 class Forward(Exchange):
     """One request to endpoint ``e`` on ``conn`` (``reused``: taken from the pool). Until its
     first token (router.proxy.Exchange: the first body bytes, or an SSE answer's first data
@@ -111,8 +72,8 @@ class Forward(Exchange):
 
     def __init__(
         self,
-        router: Router,
-        door: FrontDoor,
+        router: RouterState,
+        door: Client,
         e: Endpoint,
         link: Link,
         conn: Upstream,
@@ -230,8 +191,8 @@ class Forward(Exchange):
 
 
 async def attempt(
-    router: Router,
-    door: FrontDoor,
+    router: RouterState,
+    door: Client,
     e: Endpoint,
     parts: list[bytes],
     timeout: float,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -21,6 +21,7 @@ from kvmesh.router.request_reader import Request, RequestReader
 
 if TYPE_CHECKING:
     from kvmesh.router.proxy import Upstream
+    from kvmesh.router.state import Serving
 
 logger = logging.getLogger(__name__)
 LINGER = 2.0  # seconds an answered bad connection drops the client's bytes before closing
@@ -29,12 +30,6 @@ _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found"
             415: "Unsupported Media Type",
             431: "Request Header Fields Too Large", 500: "Internal Server Error",
             503: "Service Unavailable"}  # fmt: skip
-
-
-class Serving(Protocol):
-    """What serves the request in progress: a task, or a forward on callbacks."""
-
-    def cancel(self) -> Any: ...
 
 
 # a handler answers at once (None), or takes the request over on callbacks (None, having set
@@ -46,11 +41,11 @@ Gate = Callable[[str, dict[str, str]], "tuple[int, str, str] | None"]
 
 
 class FrontDoor(RequestReader, asyncio.Protocol):
-    """One client connection. Invariants: at most one request is served at a time (``task``,
-    None when none); ``queue`` holds the requests read in full behind it (reading pauses while
-    one waits), and an error to answer, (status, message, extra header lines), is its last
-    item; once ``stopped`` no byte is parsed again. The client's EOF closes the connection,
-    which cancels ``task``."""
+    """One client connection (the router's routes know it as router.state.Door). Invariants:
+    at most one request is served at a time (``task``, None when none); ``queue`` holds the
+    requests read in full behind it (reading pauses while one waits), and an error to answer,
+    (status, message, extra header lines), is its last item; once ``stopped`` no byte is
+    parsed again. The client's EOF closes the connection, which cancels ``task``."""
 
     def __init__(
         self,

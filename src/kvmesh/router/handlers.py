@@ -23,11 +23,11 @@ from kvmesh.router.pd import prefill_remotely
 from kvmesh.router.peer_source import PEER_HEADER, PeerSource, select_source
 
 if TYPE_CHECKING:
-    from kvmesh.router.app import Router
     from kvmesh.router.endpoints import Endpoint
-    from kvmesh.router.frontdoor import FrontDoor, Request
     from kvmesh.router.pipeline import SchedulingResult
     from kvmesh.router.plugins import SchedulingRequest
+    from kvmesh.router.request_reader import Request
+    from kvmesh.router.state import Door, RouterState
     from kvmesh.router.upstream_pool import Link
 
 INFERENCE_PATHS = frozenset(("/v1/completions", "/v1/chat/completions"))
@@ -35,13 +35,13 @@ _NONE: frozenset[str] = frozenset()
 Work = Coroutine[Any, Any, None]
 
 
-def upstream_auth(router: Router, request: Request) -> str:
+def upstream_auth(router: RouterState, request: Request) -> str:
     """The Authorization header line sent to an endpoint (RouterConfig says which)."""
     auth = router.config.upstream_authorization(request.headers.get("authorization"))
     return f"Authorization: {auth}\r\n" if auth else ""
 
 
-def handle(router: Router, door: FrontDoor, request: Request) -> Work | None:
+def handle(router: RouterState, door: Door, request: Request) -> Work | None:
     """Serve request. None: it is answered, or being answered on callbacks (the door's ``task``
     is then the Forward, which calls door.finish()); else the coroutine that serves it."""
     path, method = request.path, request.method
@@ -60,7 +60,7 @@ def handle(router: Router, door: FrontDoor, request: Request) -> Work | None:
     return _models(router, door, request)
 
 
-async def _models(router: Router, door: FrontDoor, request: Request) -> None:
+async def _models(router: RouterState, door: Door, request: Request) -> None:
     for e in router.pool.candidates():
         link = router.link(e)
         auth = upstream_auth(router, request)
@@ -70,7 +70,7 @@ async def _models(router: Router, door: FrontDoor, request: Request) -> None:
     door.respond_error(503, "No healthy endpoint.", "Retry-After: 1\r\n")
 
 
-def handle_inference(router: Router, door: FrontDoor, request: Request) -> Work | None:
+def handle_inference(router: RouterState, door: Door, request: Request) -> Work | None:
     """Parse and pick at once; forward on callbacks when the prompt needed no thread, the pick
     no prefill leg and the endpoint has an idle connection; else the task that goes on."""
     t0 = perf_counter()
@@ -105,7 +105,7 @@ def handle_inference(router: Router, door: FrontDoor, request: Request) -> Work 
     return _route(router, door, request, req, set(), result)
 
 
-def refuse(door: FrontDoor, exc: Exception) -> None:
+def refuse(door: Door, exc: Exception) -> None:
     """The answer to a request whose prompt could not be prepared."""
     if isinstance(exc, APIError):  # limits, untrusted templates: the client's error
         door.respond_error(exc.status, exc.message)
@@ -115,7 +115,7 @@ def refuse(door: FrontDoor, exc: Exception) -> None:
         door.respond_error(400, f"Could not tokenize the request: {exc}")
 
 
-def no_endpoint(door: FrontDoor) -> None:
+def no_endpoint(door: Door) -> None:
     door.respond_error(503, "No healthy endpoint could serve the request.", "Retry-After: 1\r\n")
 
 
@@ -143,7 +143,7 @@ def _resume(work: Coroutine, blocked: Any) -> Generator[Any, Any, Any]:
 
 
 async def _parse_then_route(
-    router: Router, door: FrontDoor, request: Request, t0: float, parsing: Coroutine, blocked
+    router: RouterState, door: Door, request: Request, t0: float, parsing: Coroutine, blocked
 ) -> None:
     try:
         req = await _resume(parsing, blocked)
@@ -153,8 +153,8 @@ async def _parse_then_route(
 
 
 async def _route(
-    router: Router,
-    door: FrontDoor,
+    router: RouterState,
+    door: Door,
     request: Request,
     req: SchedulingRequest,
     tried: set[str],
@@ -200,7 +200,7 @@ async def _route(
 
 
 def peer_source(
-    router: Router, req: SchedulingRequest, e: Endpoint, tried: set[str]
+    router: RouterState, req: SchedulingRequest, e: Endpoint, tried: set[str]
 ) -> PeerSource | None:
     """The peer e is told to pull the prefix it lacks from (llm-d's P2P header), if any."""
     if router.peer_sources is None:
@@ -215,7 +215,7 @@ PASSED_HEADERS = ("x-session-id", "traceparent", "tracestate")
 
 
 def _request_head(
-    router: Router,
+    router: RouterState,
     link: Link,
     request: Request,
     req: SchedulingRequest,
@@ -238,8 +238,8 @@ def _request_head(
 
 
 async def _forward(
-    router: Router,
-    door: FrontDoor,
+    router: RouterState,
+    door: Door,
     request: Request,
     body: bytes,
     req: SchedulingRequest,
@@ -269,6 +269,7 @@ class _Fast(Forward):
     byte hands the request to a task where the retry loop goes on (_route)."""
 
     __slots__ = ("request", "req", "result")
+    door: Door
 
     def settled(self, outcome: str) -> None:
         self.charge.release()
@@ -291,7 +292,7 @@ class Charge:
 
     def __init__(
         self,
-        router: Router,
+        router: RouterState,
         req: SchedulingRequest,
         e: Endpoint,
         source: PeerSource | None,

@@ -4,16 +4,28 @@ whose requests go to router.handle; a sweeper closes connections left idle."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from kvmesh.protocol.http_limits import IDLE_TIMEOUT_S, REQUEST_READ_TIMEOUT_S
-from kvmesh.router.frontdoor import FrontDoor
+from kvmesh.router.frontdoor import FrontDoor, Request
+
+
+class Routes(Protocol):
+    """What the listener serves (router.app.Router is the one). It may also offer the front
+    door's Gate as ``continue_gate``."""
+
+    def handle(self, door: FrontDoor, request: Request) -> Coroutine[Any, Any, None] | None:
+        """The front door's Handler."""
+        ...
+
+    async def stop(self) -> None: ...
 
 
 @dataclass(slots=True)
 class RouterServer:
-    router: Any  # kvmesh.router.app.Router
+    router: Routes
     server: asyncio.AbstractServer
     doors: set[FrontDoor]
     sweeper: asyncio.Task | None = None
@@ -41,7 +53,7 @@ async def _close_idle(doors: set[FrontDoor], every: float) -> None:
 
 
 async def serve(
-    router: Any,
+    router: Routes,
     host: str,
     port: int,
     max_body: int,

@@ -13,13 +13,9 @@ import logging
 import re
 import socket
 from time import monotonic
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvmesh.router.chunked import ChunkTracker
-
-if TYPE_CHECKING:
-    from kvmesh.router.frontdoor import FrontDoor
-    from kvmesh.router.upstream_pool import UpstreamPool
 
 logger = logging.getLogger(__name__)
 MAX_HEAD = 64 * 1024
@@ -55,6 +51,25 @@ def nodelay(transport: asyncio.BaseTransport) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+class Client(Protocol):
+    """The client connection an exchange answers on (router.frontdoor.FrontDoor is the one):
+    ``upstream`` is the connection whose reading pauses while the client reads slowly."""
+
+    transport: asyncio.Transport | None
+    upstream: Upstream | None
+    sent_head: bool  # the current answer's status line went out
+    must_close: bool  # the connection closes once the answer is out
+    closed: bool
+
+
+class Pool(Protocol):
+    """Where an Upstream goes back once idle (router.upstream_pool.UpstreamPool is the one)."""
+
+    def give_back(self, conn: Upstream) -> None: ...
+
+    def forget(self, conn: Upstream) -> None: ...
+
+
 class Exchange:
     """One request's trip to an endpoint: its answer passes to the client as it comes, with
     ``extra`` header lines. The head is held until the answer's first token, so that an
@@ -71,7 +86,7 @@ class Exchange:
     __slots__ = ("door", "extra", "status", "started", "chunks", "pending", "held", "sse")
     __slots__ += ("last", "bodied")
 
-    def __init__(self, door: FrontDoor, extra: bytes) -> None:
+    def __init__(self, door: Client, extra: bytes) -> None:
         self.door, self.extra = door, extra
         self.status, self.started = 0, False
         self.chunks: ChunkTracker | None = None
@@ -146,7 +161,7 @@ class Exchange:
 class Upstream(asyncio.Protocol):
     """A keep-alive connection to one endpoint, serving one Exchange (``sink``) at a time."""
 
-    def __init__(self, pool: UpstreamPool) -> None:
+    def __init__(self, pool: Pool) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None
         self.sink: Exchange | None = None

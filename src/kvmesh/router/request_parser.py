@@ -40,7 +40,7 @@ from kvmesh.protocol.tokenizer import min_tokens, token_span
 from kvmesh.router.plugins import SchedulingRequest
 
 if TYPE_CHECKING:
-    from kvmesh.router.frontdoor import Request
+    from kvmesh.router.request_reader import Request
     from kvmesh.router.tokens import PromptTokenizer
 
 _ids = random.Random()  # request ids: seeded from the OS once, no system call per request

@@ -1,20 +1,24 @@
 """How the router reaches each endpoint: a pool of idle keep-alive connections (router.proxy's
 Upstream), the header lines every request to it carries, and the watchdog of the requests in
-flight to it (router.forward)."""
+flight to it (router.forward's forwards, which it knows as Watched)."""
 
 from __future__ import annotations
 
 import asyncio
 import ssl as _ssl
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from time import monotonic
+from typing import TYPE_CHECKING, Protocol
 from urllib.parse import urlparse
 
-from kvmesh.router.forward import Watchdog
 from kvmesh.router.proxy import Upstream
 
 if TYPE_CHECKING:
     from kvmesh.router.endpoints import Endpoint
+
+# sweeps come every eighth of the shortest limit a forward runs under (so a limit is enforced
+# at most that much late), within these bounds in seconds
+MIN_SWEEP, MAX_SWEEP = 0.005, 1.0
 
 
 class UpstreamPool:
@@ -54,6 +58,51 @@ class UpstreamPool:
         for conn in self.idle:
             conn.transport.close()
         self.idle.clear()
+
+
+class Watched(Protocol):
+    """A request in flight, as its endpoint's watchdog sees it."""
+
+    def check(self, now: float) -> None:
+        """Enforce its limits at ``now`` (monotonic): a late first byte, a stalled stream."""
+        ...
+
+
+class Watchdog:
+    """The unsettled forwards to one endpoint (router.forward.Forward), each checked once per
+    sweep; sweeps run only while there are some, at the pace the shortest limit any of them
+    runs under asks for."""
+
+    __slots__ = ("forwards", "every", "limit", "timer")
+
+    def __init__(self) -> None:
+        self.forwards: set[Watched] = set()
+        self.every, self.limit = MAX_SWEEP, float("inf")
+        self.timer: asyncio.TimerHandle | None = None
+
+    def add(self, fw: Watched, limit: float) -> None:
+        """Watch fw, whose shortest limit (first byte or stream idle) is ``limit`` seconds."""
+        self.forwards.add(fw)
+        if limit < self.limit:
+            self.limit, self.every = limit, max(MIN_SWEEP, min(MAX_SWEEP, limit / 8))
+            if self.timer is not None:
+                self.timer.cancel()
+                self.timer = None
+        if self.timer is None:
+            self.timer = asyncio.get_running_loop().call_later(self.every, self.sweep)
+
+    def sweep(self) -> None:
+        self.timer = None
+        now = monotonic()
+        for fw in list(self.forwards):
+            fw.check(now)
+        if self.forwards:
+            self.timer = asyncio.get_running_loop().call_later(self.every, self.sweep)
+
+    def close(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
 
 @dataclass(slots=True)
