@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from kvmesh.commands import convert
-from kvmesh.commands.flags import add_dataclass_args
+from kvmesh.commands.flags import add_dataclass_args, add_listen_args
 
 BENCH_COMMANDS = {
     "engine": (
@@ -166,55 +166,36 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def _listen_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="Address to listen on [default: 127.0.0.1].")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port [default: 8000].")
-
-
 def _add_serve(sub, name: str, text: str) -> None:
-    from kvmesh.commands.serve import EMULATION_HELP, ENGINE_HELP, cmd_serve
-    from kvmesh.engine.config import EngineConfig
+    from kvmesh.commands.serve_flags import add_serve_args
 
     p = sub.add_parser(name, help=text, description=text)
-    _listen_args(p)
-    add_dataclass_args(p, EngineConfig, ENGINE_HELP)
-    from kvmesh.engine.emulation.config import EmulationConfig
+    add_serve_args(p)
+    if name == "serve":
+        from kvmesh.commands.serve import cmd_serve
 
-    emu = p.add_argument_group(
-        "emulation",
-        "Emulated engines: the real server, scheduler, block pool, KV events and "
-        "metrics, with the forward pass replaced by a roofline model's step time and "
-        "deterministic tokens (SmolLM2's tokenizer, so token counts and hashes are real).",
+        p.set_defaults(func=cmd_serve)
+        return
+    from kvmesh.commands.router import ROUTER_HELP
+    from kvmesh.commands.serve import UP_ROUTER_FLAGS
+    from kvmesh.router.config import RouterConfig
+
+    routing = p.add_argument_group(
+        "router", "The router's scheduling and failure handling, as `kvmesh router`'s."
     )
-    emu.add_argument(
-        "--emulate",
-        type=int,
-        nargs="?",
-        const=1,
-        default=0,
-        metavar="N",
-        help="Run N emulated engines on consecutive ports from --port (serve: 1).",
+    helps = {k: ROUTER_HELP[k] for k in UP_ROUTER_FLAGS}
+    add_dataclass_args(routing, RouterConfig, helps)
+    from kvmesh.commands.up_supervisor import RESTART_HELP, RestartPolicy
+
+    restarts = p.add_argument_group(
+        "restarts",
+        "A child (engine or router process) that exits once the stack is ready is "
+        "restarted with exponential back-off; a crash loop stops `up`.",
     )
-    add_dataclass_args(emu, EmulationConfig, EMULATION_HELP)
-    if name == "up":
-        from kvmesh.commands.router import ROUTER_HELP
-        from kvmesh.commands.serve import UP_ROUTER_FLAGS
-        from kvmesh.router.config import RouterConfig
+    add_dataclass_args(restarts, RestartPolicy, RESTART_HELP)
+    from kvmesh.commands.up import cmd_up
 
-        routing = p.add_argument_group(
-            "router", "The router's scheduling and failure handling, as `kvmesh router`'s."
-        )
-        helps = {k: ROUTER_HELP[k] for k in UP_ROUTER_FLAGS}
-        add_dataclass_args(routing, RouterConfig, helps)
-        from kvmesh.commands.up_supervisor import RESTART_HELP, RestartPolicy
-
-        restarts = p.add_argument_group(
-            "restarts",
-            "A child (engine or router process) that exits once the stack is ready is "
-            "restarted with exponential back-off; a crash loop stops `up`.",
-        )
-        add_dataclass_args(restarts, RestartPolicy, RESTART_HELP)
-    p.set_defaults(func=cmd_serve)
+    p.set_defaults(func=cmd_up)
 
 
 def _add_router(sub, text: str) -> None:
@@ -235,7 +216,7 @@ def _add_router(sub, text: str) -> None:
         metavar="URL",
         help="An engine's base URL (repeatable), e.g. http://127.0.0.1:8001.",
     )
-    _listen_args(rp)
+    add_listen_args(rp)
     add_dataclass_args(rp, RouterConfig, ROUTER_HELP, ROUTER_RENAMED)
     rp.set_defaults(func=cmd_router)
 

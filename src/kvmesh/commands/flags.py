@@ -81,6 +81,12 @@ def add_dataclass_args(
             )
 
 
+def add_listen_args(p: argparse.ArgumentParser) -> None:
+    """--host and --port of a server command."""
+    p.add_argument("--host", default="127.0.0.1", help="Address to listen on [default: 127.0.0.1].")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port [default: 8000].")
+
+
 def config_from_args(cls, args: argparse.Namespace):
     """The config of the flags parsed; a field whose flag was not given (only_when_given) keeps
     its default."""

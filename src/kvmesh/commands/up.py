@@ -31,6 +31,8 @@ from pathlib import Path
 
 from kvmesh.commands import up_ports
 from kvmesh.commands.flags import Renamed, config_from_args, flag_of
+from kvmesh.commands.serve import check_model, engine_settings, up_router_config
+from kvmesh.commands.serve_flags import EMULATION_HELP, ENGINE_HELP
 from kvmesh.commands.up_supervisor import START_TIMEOUT_S, RestartPolicy, Stack
 from kvmesh.engine.config import EngineConfig
 from kvmesh.protocol import auth
@@ -101,8 +103,6 @@ def kvmesh_command(args: argparse.Namespace, command: str) -> list[str]:
 
 
 def engine_command(config: EngineConfig, emu, args: argparse.Namespace) -> list[str]:
-    from kvmesh.commands.serve import EMULATION_HELP, ENGINE_HELP
-
     names = [n for n in ENGINE_HELP if n not in SECRET_FIELDS]
     cmd = [*kvmesh_command(args, "serve"), "--host", args.host, "--port", str(args.port + 1)]
     cmd += flags_for(config, names)
@@ -151,11 +151,20 @@ def free_run(n: int, host: str = "127.0.0.1") -> int:
     raise OSError(f"no run of {n} free ports on {host}")
 
 
+def cmd_up(args: argparse.Namespace) -> int:
+    try:
+        config, emu = engine_settings(args)
+        up_router_config(config, args, [])  # its flags are checked before anything starts
+        check_model(config, emu)
+    except ValueError as exc:
+        print(f"kvmesh {args.command}: {exc}", file=sys.stderr)
+        return 2
+    return run_up(config, emu, args)
+
+
 def run_up(config: EngineConfig, emu, args: argparse.Namespace) -> int:
     """The engine(s) and the router as child processes until SIGINT/SIGTERM, a child's exit
     before the stack is ready, or a crash loop."""
-    from kvmesh.commands.serve import up_router_config
-
     try:
         policy = config_from_args(RestartPolicy, args)
     except ValueError as exc:

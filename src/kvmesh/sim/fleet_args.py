@@ -30,17 +30,17 @@ def fleet_config(
     """The fleet of --serve-args (and `engine_flags`, serve flags that win over them); with a
     layout the emulated model defaults to glm-5.2-moe. Raises ValueError for a layout that does
     not fit the model, or GPUs that do not divide into instances (or a prefill pool)."""
-    from kvmesh.cli import build_parser
     from kvmesh.commands.flags import config_from_args
+    from kvmesh.commands.serve_flags import serve_parser
     from kvmesh.engine.config import EngineConfig
     from kvmesh.engine.emulation.config import EmulationConfig
 
     # xxhash unless asked otherwise: the routing is the same, the replay much faster
-    argv = ["serve", "--emulate", "--prefix-caching-hash-algo", "xxhash", *shlex.split(serve_args)]
+    argv = ["--emulate", "--prefix-caching-hash-algo", "xxhash", *shlex.split(serve_args)]
     named = any(a.split("=")[0] == "--emulate-model" for a in [*argv, *engine_flags])
     if layout and not named:
         argv += ["--emulate-model", LAYOUT_MODEL]
-    args = build_parser().parse_args([*argv, *engine_flags])
+    args = serve_parser().parse_args([*argv, *engine_flags])  # the flags `kvmesh serve` takes
     args.model = None if args.model == "default" else args.model
     config = FleetSimConfig(
         engines=engines,
