@@ -121,7 +121,13 @@ def run_bench(tmp_path: Path, *flags: str, timeout: int) -> dict:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Output tokens/s" in proc.stdout and "TTFT" in proc.stdout
     assert (out / "engine_bench.png").stat().st_size > 1000
-    return json.loads((out / "results.json").read_text())
+    assert "[bench engine " in proc.stderr and "kvmesh: batch 2" in proc.stderr
+    results = json.loads((out / "results.json").read_text())
+    rows = json.loads((out / "engine.rows.json").read_text())
+    assert rows["status"] == "complete" and rows["rows_done"] == rows["rows_total"]
+    tp = [r for r in rows["rows"] if r["phase"] == "throughput" and r["engine"] == "kvmesh"]
+    assert [r["tok_s"] for r in tp] == [results["throughput"]["kvmesh"][b]["tok_s"] for b in "12"]
+    return results
 
 
 def check_server_results(results: dict) -> None:

@@ -133,13 +133,23 @@ def _wait_for_rows(path: Path, proc: subprocess.Popen, deadline_s: float) -> dic
     pytest.fail(f"no row in {path} within {deadline_s} s")
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_a_real_bench_interrupted_after_its_first_row_leaves_a_partial_result(tmp_path):
     # C=1 takes a moment; C=4096 with these steps takes far longer, so SIGINT lands in row 2.
     cmd = [sys.executable, "-m", "kvmesh.cli", "bench", "ep", "--layouts", "dp8"]
     cmd += ["--concurrency", "1,4096", "--max-num-seqs", "1024", "--input-len", "128"]
     cmd += ["--output-len", "32", "--warmup-steps", "5", "--steps", "600"]
     cmd += ["--out", str(tmp_path)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_sigint_default,  # a background job's shell hands down SIGINT ignored
+    )
     try:
         first = _wait_for_rows(tmp_path / "ep.rows.json", proc, deadline_s=240)
         proc.send_signal(signal.SIGINT)

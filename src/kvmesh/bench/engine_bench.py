@@ -22,17 +22,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    SpinnerColumn,
-    TextColumn,
-    TimeElapsedColumn,
-)
 
 from kvmesh.bench import http_load
 from kvmesh.bench.engine_report import print_report, targets, write_plot
+from kvmesh.bench.progress import BenchRun
 
 SIZES = ("max_tokens", "prompt_tokens", "long_prompt_tokens", "repeats")
 FULL = dict(batch_sizes="1,8,32", max_tokens=64, prompt_tokens=128, long_prompt_tokens=2000)
@@ -54,7 +47,8 @@ Measures, in one run, on the same prompts and the same number of CPU threads:
               cached + suffix (the same prefix with a short new suffix); medians of --repeats.
 
 Targets shown (not enforced): kvmesh at the largest batch >= 3x HF; cached TTFT <= 1/5 cold.
-Writes results.json and engine_bench.png into --out."""
+Writes results.json and engine_bench.png into --out; engine.rows.json there holds each row as it
+finishes (a run stopped early keeps its rows, marked "interrupted")."""
 
 
 FLAGS: list[tuple[str, dict, str]] = [
@@ -111,34 +105,49 @@ def make_plan(args: argparse.Namespace) -> Plan:
     return Plan(sizes, *(pick[k] for k in SIZES), threads, args.seed)
 
 
-async def kvmesh_phase(url: str, plan: Plan, progress) -> tuple[http_load.Prompts, dict, dict]:
+def rows_total(plan: Plan, vllm: bool, hf: bool) -> int:
+    """Rows saved as they finish: per server a row per batch size and a TTFT row; HF batched
+    and sequential per batch size."""
+    per_server = len(plan.batch_sizes) + 1
+    return per_server * (1 + vllm) + (2 * len(plan.batch_sizes) if hf else 0)
+
+
+async def kvmesh_phase(
+    url: str, plan: Plan, bench: BenchRun
+) -> tuple[http_load.Prompts, dict, dict]:
     async with http_load.session() as http:
         model = await http_load.first_model(http, url)
+    progress = bench.progress
     task = progress.add_task("building prompts (POST /tokenize)", total=None)
     sizes = (plan.prompt_tokens, plan.long_prompt_tokens, plan.repeats, plan.seed)
     prompts = await http_load.build_prompts(url, plan.batch_sizes, *sizes, model)
     progress.update(task, total=1, completed=1)
     tp, ttft = await http_load.measure_server(
-        url, "kvmesh", prompts, plan.max_tokens, plan.seed, progress, model
+        url, "kvmesh", prompts, plan.max_tokens, plan.seed, progress, model, bench.add
     )
     return prompts, tp, ttft
 
 
-async def vllm_phase(url: str, plan: Plan, prompts: http_load.Prompts, progress):
+async def vllm_phase(url: str, plan: Plan, prompts: http_load.Prompts, bench: BenchRun):
     async with http_load.session() as http:
         model = await http_load.first_model(http, url)
     return await http_load.measure_server(
-        url, "vLLM", prompts, plan.max_tokens, plan.seed, progress, model
+        url, "vLLM", prompts, plan.max_tokens, plan.seed, bench.progress, model, bench.add
     )
 
 
 def main(args: argparse.Namespace) -> int:
-    console = Console()
     try:
         plan = make_plan(args)
     except ValueError as exc:
-        console.print(f"[red]kvmesh bench engine: {exc}[/red]")
+        Console().print(f"[red]kvmesh bench engine: {exc}[/red]")
         return 2
+    total = rows_total(plan, bool(args.vllm_url), not args.skip_hf)
+    return BenchRun("engine", args.out, total=total, config=asdict(plan)).call(_main, args, plan)
+
+
+def _main(args: argparse.Namespace, plan: Plan, bench: BenchRun) -> int:
+    console = Console()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = None if args.model in (None, "", "default") else args.model
@@ -159,36 +168,38 @@ def main(args: argparse.Namespace) -> int:
     serve_args += ["--num-threads", str(plan.threads)] + (["--model", model] if model else [])
     serve_args += shlex.split(args.engine_args)
     results["config"]["serve_args"] = serve_args
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn())
-    columns += (MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console) as progress:
-        task = progress.add_task("starting kvmesh engine", total=None)
-        port = args.port or http_load.free_port()
+    bench.config = results["config"]
+    progress = bench.progress
+    phases = 1 + bool(args.vllm_url) + (not args.skip_hf)
+    bench.phase("kvmesh engine: starting `kvmesh serve`", 1, phases)
+    task = progress.add_task("starting kvmesh engine (GET /health)", total=None)
+    port = args.port or http_load.free_port()
+    try:
+        with http_load.EngineProcess(port, serve_args, out / "engine.log") as url:
+            progress.update(task, total=1, completed=1)
+            prompts, tp, ttft = asyncio.run(kvmesh_phase(url, plan, bench))
+    except Exception as exc:  # the engine's log tail is in the message
+        console.print(f"[red]kvmesh engine failed: {type(exc).__name__}: {exc}[/red]")
+        return 1
+    results["throughput"]["kvmesh"], results["ttft"]["kvmesh"] = tp, ttft
+    if args.vllm_url:
+        url = args.vllm_url.rstrip("/").removesuffix("/v1")
+        bench.phase(f"vLLM at {url}", 2, phases)
         try:
-            with http_load.EngineProcess(port, serve_args, out / "engine.log") as url:
-                progress.update(task, total=1, completed=1)
-                prompts, tp, ttft = asyncio.run(kvmesh_phase(url, plan, progress))
-        except Exception as exc:  # the engine's log tail is in the message
-            progress.stop()
-            console.print(f"[red]kvmesh engine failed: {type(exc).__name__}: {exc}[/red]")
-            return 1
-        results["throughput"]["kvmesh"], results["ttft"]["kvmesh"] = tp, ttft
-        if args.vllm_url:
-            url = args.vllm_url.rstrip("/").removesuffix("/v1")
-            try:
-                tp, ttft = asyncio.run(vllm_phase(url, plan, prompts, progress))
-                results["throughput"]["vllm"], results["ttft"]["vllm"] = tp, ttft
-            except Exception as exc:  # an external server: report, keep the rest
-                results["vllm_error"] = str(exc)
-                console.print(f"[yellow]vLLM at {url} failed: {exc}[/yellow]")
-        results["loadavg"]["after_servers"] = os.getloadavg()[0]
-        if not args.skip_hf:
-            try:
-                results["hf"] = run_hf(model, plan, prompts.by_batch, progress)
-                results["throughput"].update(results["hf"].pop("throughput"))
-            except Exception as exc:
-                results["hf_error"] = f"{type(exc).__name__}: {exc}"
-                console.print(f"[yellow]HF baseline failed: {results['hf_error']}[/yellow]")
+            tp, ttft = asyncio.run(vllm_phase(url, plan, prompts, bench))
+            results["throughput"]["vllm"], results["ttft"]["vllm"] = tp, ttft
+        except Exception as exc:  # an external server: report, keep the rest
+            results["vllm_error"] = str(exc)
+            console.print(f"[yellow]vLLM at {url} failed: {exc}[/yellow]")
+    results["loadavg"]["after_servers"] = os.getloadavg()[0]
+    if not args.skip_hf:
+        bench.phase("HF transformers baseline", phases, phases)
+        try:
+            results["hf"] = run_hf(model, plan, prompts.by_batch, bench)
+            results["throughput"].update(results["hf"].pop("throughput"))
+        except Exception as exc:
+            results["hf_error"] = f"{type(exc).__name__}: {exc}"
+            console.print(f"[yellow]HF baseline failed: {results['hf_error']}[/yellow]")
     results["loadavg"]["end"] = os.getloadavg()[0]
     results["targets"] = targets(results, plan.batch_sizes[-1])
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
@@ -201,8 +212,10 @@ def main(args: argparse.Namespace) -> int:
 HF_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def run_hf(model: str | None, plan: Plan, by_batch: dict[int, list[str]], progress) -> dict:
-    """HF transformers greedy generate, fp32, exactly max_tokens new tokens per prompt."""
+def run_hf(model: str | None, plan: Plan, by_batch: dict[int, list[str]], bench: BenchRun) -> dict:
+    """HF transformers greedy generate, fp32, exactly max_tokens new tokens per prompt; each
+    batch size's batched and sequential rows saved by `bench` as they finish."""
+    progress = bench.progress
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import importlib.util
 
@@ -263,12 +276,16 @@ def run_hf(model: str | None, plan: Plan, by_batch: dict[int, list[str]], progre
         wall = time.perf_counter() - t0
         batched[str(b)] = dict(tok_s=round(n / wall, 2), wall_s=round(wall, 4), output_tokens=n)
         batched[str(b)]["prompt_tokens_mean"] = plen
+        row = {"engine": "hf_batched", "phase": "throughput", "batch": b, **batched[str(b)]}
+        bench.add(row, f"HF batched, batch {b}")
         task = progress.add_task(f"HF sequential: batch {b}", total=b * plan.max_tokens)
         t0, n = time.perf_counter(), 0
         for p in by_batch[b]:
             n += generate([p], task)[0]
         wall = time.perf_counter() - t0
         sequential[str(b)] = dict(tok_s=round(n / wall, 2), wall_s=round(wall, 4), output_tokens=n)
+        row = {"engine": "hf_sequential", "phase": "throughput", "batch": b, **sequential[str(b)]}
+        bench.add(row, f"HF sequential, batch {b}")
     return {
         "load_s": round(load_s, 2),
         "torch_threads": torch.get_num_threads(),

@@ -30,6 +30,7 @@ from kvmesh.bench.fleet_engines import (
     start_engines,
 )
 from kvmesh.bench.fleet_plot import plot
+from kvmesh.bench.progress import BenchRun
 from kvmesh.bench.router_procs import Target, peer_bin, start_router
 from kvmesh.bench.workloads import hit_ceiling
 
@@ -213,11 +214,13 @@ def run_policies(
     targets: list[Target],
     bins: dict,
     out: Path,
-    progress,
+    bench: BenchRun | None,
     suffix: str = "",
 ) -> tuple[dict[str, dict], list[str]]:
-    """The workload through a router per target over these engines: rows by label, and notes
-    on what went wrong (a router that failed keeps the others' rows)."""
+    """The workload through a router per target over these engines: rows by label, each saved
+    by `bench` as it finishes, and notes on what went wrong (a router that failed keeps the
+    others' rows)."""
+    progress = bench.progress if bench is not None else None
     rows: dict[str, dict] = {}
     skipped: list[str] = []
     timed = kvmesh_engines(urls)  # vLLM pods are not asked kvmesh's own routes
@@ -238,6 +241,8 @@ def run_policies(
             continue
         try:
             rows[name] = row = run_row(args, policy_wl, url, urls, timed, name, progress)
+            if bench is not None:
+                bench.add({"name": name, **row}, name)
             rm = row["router_metrics"]
             if (
                 t.kind == "kvmesh"
@@ -253,6 +258,10 @@ def run_policies(
 
 
 def main(args: argparse.Namespace) -> int:
+    return BenchRun("fleet", args.out).call(_main, args)
+
+
+def _main(args: argparse.Namespace, bench: BenchRun) -> int:
     console = Console() if sys.stdout.isatty() else Console(width=170)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -301,41 +310,41 @@ def main(args: argparse.Namespace) -> int:
     console.print(f"{title}; hit-rate ceiling {ceiling['hit_rate']:.3f}")
     rows: dict[str, dict] = {}
     urls = given
-    with loadgen.progress_bars(console) as progress:
-        for variant, flags in variants:
-            engines_proc = None
-            if not given:
-                label = f" ({variant}: {flags})" if variant else ""
-                console.print(
-                    f"starting {n} emulated engines ({args.emulate_model} on "
-                    f"{args.emulate_gpu}){label}"
-                )
-                log = f"engines-{variant}.log" if variant else "engines.log"
-                engines_proc, urls = start_engines(args, n, out, flags, log)
-            try:
-                got, notes = run_policies(
-                    args, wl, urls, targets, bins, out, progress, f"@{variant}" if variant else ""
+    bench.total = len(variants) * (len(targets) + len(replica_counts))
+    bench.config = {"title": title, "workload": desc, "ceiling": ceiling, "time_scale": scale}
+    for variant, flags in variants:
+        engines_proc = None
+        if not given:
+            label = f" ({variant}: {flags})" if variant else ""
+            console.print(
+                f"starting {n} emulated engines ({args.emulate_model} on {args.emulate_gpu}){label}"
+            )
+            log = f"engines-{variant}.log" if variant else "engines.log"
+            engines_proc, urls = start_engines(args, n, out, flags, log)
+        try:
+            got, notes = run_policies(
+                args, wl, urls, targets, bins, out, bench, f"@{variant}" if variant else ""
+            )
+            rows.update(got)
+            skipped.extend(notes)
+            if replica_counts:
+                got, notes = replicas.run_replicas(
+                    args,
+                    wl,
+                    urls,
+                    replica_counts,
+                    out,
+                    bench,
+                    run_row,
+                    f"@{variant}" if variant else "",
+                    seed_offset=len(targets),
+                    front_kind=args.replica_front,
                 )
                 rows.update(got)
                 skipped.extend(notes)
-                if replica_counts:
-                    got, notes = replicas.run_replicas(
-                        args,
-                        wl,
-                        urls,
-                        replica_counts,
-                        out,
-                        progress,
-                        run_row,
-                        f"@{variant}" if variant else "",
-                        seed_offset=len(targets),
-                        front_kind=args.replica_front,
-                    )
-                    rows.update(got)
-                    skipped.extend(notes)
-            finally:
-                if engines_proc is not None:
-                    engines_proc.stop()
+        finally:
+            if engines_proc is not None:
+                engines_proc.stop()
     for note in skipped:
         console.print(f"[yellow]note[/] {note}")
     for line in loadgen.failures(list(rows.items())):

@@ -251,16 +251,27 @@ def _ms(x: float) -> float:
 
 
 async def measure_server(
-    url: str, label: str, prompts: Prompts, max_tokens: int, seed: int, progress, model=None
+    url: str,
+    label: str,
+    prompts: Prompts,
+    max_tokens: int,
+    seed: int,
+    progress,
+    model=None,
+    on_row: Callable[[dict, str], None] | None = None,
 ) -> tuple[dict, dict]:
     """Throughput at each batch size, then long-prompt TTFT cold / cached / cached + suffix, on
-    one OpenAI-compatible server. `progress` is a rich Progress (add_task, advance)."""
+    one OpenAI-compatible server. `progress` has rich Progress's add_task and advance;
+    `on_row(row, name)` is handed each batch's row, then the TTFT row, as each finishes."""
     await run_batch(url, [prompts.warmup], 4, model)
     throughput = {}
     for b, batch in prompts.by_batch.items():
         task = progress.add_task(f"{label}: batch {b}", total=b * max_tokens)
         res = await run_batch(url, batch, max_tokens, model, lambda t=task: progress.advance(t))
         throughput[str(b)] = res.summary()
+        if on_row is not None:
+            row = {"engine": label, "phase": "throughput", "batch": b, **throughput[str(b)]}
+            on_row(row, f"{label} throughput, batch {b}")
     task = progress.add_task(f"{label}: long-prompt TTFT", total=3 * len(prompts.long) - 2)
     await ttft_once(url, prompts.long[0], model)
     progress.advance(task)
@@ -277,6 +288,8 @@ async def measure_server(
         ttft[f"{kind}_cached_tokens"] = [x.cached_tokens for x in rs]
     ttft["ratio_cached"] = round(ttft["cached_ms"] / ttft["cold_ms"], 4)
     ttft["ratio_suffix"] = round(ttft["suffix_ms"] / ttft["cold_ms"], 4)
+    if on_row is not None:
+        on_row({"engine": label, "phase": "ttft", **ttft}, f"{label} long-prompt TTFT")
     return throughput, ttft
 
 

@@ -12,16 +12,15 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import aiohttp
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kvmesh.bench.fleet_engines import admin_headers, kvmesh_engines
 from kvmesh.bench.http_load import first_model
+from kvmesh.bench.progress import LineProgress
 from kvmesh.bench.workloads import VOCAB, Request, Workload
 from kvmesh.protocol.prom import parse_samples
 from kvmesh.protocol.stats import percentile
@@ -121,16 +120,18 @@ async def run_workload(
     concurrency: int = 0,
     engines: list[str] = (),
     label: str = "",
-    progress: Progress | None = None,
+    progress: LineProgress | None = None,
     timeout_s: float = 600.0,
     time_scale: float = 1.0,
     prompt_format: str = "text",
+    on_record: Callable[[Record], None] | None = None,
 ) -> dict:
     """Every request of `wl` against `url`; a request starts once its deps have finished and its
     delay has passed. Open loop (concurrency 0): each session starts at its arrival time. Closed
     loop: `concurrency` sessions at a time, in arrival order. Returns summarize's dict.
     With engines in slow motion (time_scale K), arrivals and think times are stretched K times
-    and every measured time is divided by K, so results are in the engines' emulated seconds."""
+    and every measured time is divided by K, so results are in the engines' emulated seconds.
+    `on_record` sees each request's record as it finishes."""
     scale = time_scale
     timeout = aiohttp.ClientTimeout(total=timeout_s * scale, sock_connect=30)
     async with aiohttp.ClientSession(
@@ -156,6 +157,8 @@ async def run_workload(
                 await asyncio.sleep(r.delay * scale)
             rec = await send(http, url, model, prompt(r), r, t0, scale)
             records.append(rec)
+            if on_record is not None:
+                on_record(rec)
             done[r.rid].set()
             tally[0] += bool(rec.error)
             tally[1] += rec.cached_tokens
@@ -210,17 +213,6 @@ async def served_model(http: aiohttp.ClientSession, url: str, engines: list[str]
             if model := await first_model(http, engine):
                 return model
     return await first_model(http, url)
-
-
-def progress_bars(console: Console) -> Progress:
-    """The progress display of a load run: description, bar, done/total, elapsed."""
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-    )
 
 
 def hit_rate(records: list[Record]) -> float:

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-from rich.progress import Progress
 
 from kvmesh.bench import loadgen
 from kvmesh.bench.fleet_engines import reset_caches, router_metrics, start_engines
+from kvmesh.bench.progress import BenchRun
 from kvmesh.bench.router_procs import Proc, start_healthy
 from kvmesh.bench.workloads import Workload
 
@@ -143,10 +143,11 @@ def run_configurations(
     threshold: int,
     scale: float,
     out: Path,
-    progress: Progress,
+    bench: BenchRun,
 ) -> tuple[list[str], dict[str, dict], list[str]]:
     """(engine URLs, a summary per configuration, notes): the workload through every
-    configuration of `mode` over the same four engines."""
+    configuration of `mode` over the same four engines, each summary saved by `bench` as it
+    finishes."""
     engine_args = argparse.Namespace(
         emulate_gpu=args.gpu,
         emulate_model=args.model,
@@ -168,7 +169,7 @@ def run_configurations(
                         concurrency=args.concurrency,
                         engines=urls,
                         label=config.name,
-                        progress=progress,
+                        progress=bench.progress,
                         timeout_s=args.request_timeout,
                         time_scale=scale,
                     )
@@ -190,6 +191,7 @@ def run_configurations(
             summary["computed_fraction"] = round(computed / max(1, summary["prompt_tokens"]), 4)
             summary["pools"] = "2 prefill + 2 decode" if config.disaggregated else "4 aggregated"
             rows[config.name] = summary
+            bench.add({"name": config.name, **summary}, config.name)
     finally:
         engines.stop()
     return urls, rows, notes

@@ -20,8 +20,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from kvmesh.bench import cli_args, loadgen
+from kvmesh.bench import cli_args
 from kvmesh.bench.pd_agentic import AGENTIC, AGENTIC_QUICK, run_configurations
+from kvmesh.bench.progress import BenchRun
 from kvmesh.bench.workloads import Request, Workload, hit_ceiling
 
 DEFAULT_THRESHOLD = 256  # the `pd` preset's nonCachedTokens
@@ -81,6 +82,12 @@ def long_prompts(args: argparse.Namespace) -> Workload:
 
 
 def main(args: argparse.Namespace) -> int:
+    name = "pd-agentic" if args.workload == "agentic" else "pd"
+    total = 3 if args.workload == "agentic" else 2  # configurations compared
+    return BenchRun(name, args.out, total=total).call(_main, args)
+
+
+def _main(args: argparse.Namespace, bench: BenchRun) -> int:
     agentic = args.workload == "agentic"
     if agentic:
         wl = cli_args.build_workload(args, "agentic", **(AGENTIC_QUICK if args.quick else AGENTIC))
@@ -100,10 +107,9 @@ def main(args: argparse.Namespace) -> int:
         + (f", slow motion x{scale:g}" if scale != 1 else "")
     )
     console.print(f"{title}; hit-rate ceiling {ceiling['hit_rate']:.3f}")
-    with loadgen.progress_bars(console) as progress:
-        urls, rows, notes = run_configurations(
-            args, wl, wl.kind, args.threshold, scale, out, progress
-        )
+    bench.config = {"title": title, "workload": desc, "ceiling": ceiling, "time_scale": scale}
+    bench.phase("starting 4 emulated engines, then each configuration's router")
+    urls, rows, notes = run_configurations(args, wl, wl.kind, args.threshold, scale, out, bench)
     for note in notes:
         console.print(f"[yellow]note[/] {note}")
     console.print(table(rows, title))

@@ -26,6 +26,7 @@ from typing import Any, TextIO
 
 EXIT_INTERRUPTED = 130  # the shell's code for a run ended by SIGINT
 EXIT_TERMINATED = 143  # ... and by SIGTERM
+QUIET_SAVE_S = 2.0  # quiet rows (single requests) are saved at most this often
 
 
 class Terminated(KeyboardInterrupt):
@@ -181,6 +182,7 @@ class BenchRun:
         self.started = _now_text()
         self._t0 = time.monotonic()
         self._old_term: Any = None
+        self._saved = 0.0
 
     @property
     def interrupted(self) -> bool:
@@ -193,10 +195,17 @@ class BenchRun:
         """A line that says which phase starts, `i` of `n` when counted."""
         self.note(f"({i}/{n}) {text}" if i is not None and n is not None else text)
 
-    def add(self, row: dict, label: str | None = None) -> None:
-        """A finished row: kept, saved at once, and announced on the progress stream."""
+    def add(self, row: dict, label: str | None = None, *, quiet: bool = False) -> None:
+        """A finished row: kept, saved at once, and announced on the progress stream. A quiet
+        row (one request of thousands) is saved with the next save at most QUIET_SAVE_S later,
+        or when the run ends, and is not announced."""
         self.rows.append(row)
+        now = time.monotonic()
+        if quiet and now - self._saved < QUIET_SAVE_S:
+            return
         self.save()
+        if quiet:
+            return
         of = f"/{self.total}" if self.total else ""
         name = f": {label}" if label else ""
         self.note(f"row {len(self.rows)}{of} saved{name} -> {self.path}")
@@ -223,6 +232,7 @@ class BenchRun:
 
     def save(self) -> None:
         write_json_atomic(self.path, self.document())
+        self._saved = time.monotonic()
 
     def finish(self, status: str = "complete") -> None:
         self.status = status
@@ -264,7 +274,7 @@ class BenchRun:
         code: int | None = None
         with self:
             code = body(*args, self)
-        if self.exit_code is None:
+        if self.exit_code is None:  # ran to its end: a non-zero code is the bench's failure
             self.exit_code = code or 0
-            self.save()
+            self.finish("complete" if self.exit_code == 0 else "failed")
         return self.exit_code

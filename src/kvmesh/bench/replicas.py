@@ -28,6 +28,7 @@ from pathlib import Path
 from rich.table import Table
 
 from kvmesh.bench.fleet_engines import kvmesh_engines, reset_caches
+from kvmesh.bench.progress import BenchRun
 from kvmesh.bench.router_procs import Proc, Target, start_healthy, start_router, stop_all
 from kvmesh.protocol.prom import parse_samples
 
@@ -150,14 +151,16 @@ def run_replicas(
     urls: list[str],
     counts: list[int],
     out: Path,
-    progress,
+    bench: BenchRun | None,
     measure: Callable[..., dict],
     suffix: str = "",
     seed_offset: int = 0,
     front_kind: str = "balancer",
 ) -> tuple[dict[str, dict], list[str]]:
     """A row per replica count: the engines' caches reset, n replicas and their front started,
-    the workload sent to the front by `measure` (fleet.run_row), everything stopped."""
+    the workload sent to the front by `measure` (fleet.run_row), everything stopped; each row
+    saved by `bench` as it finishes."""
+    progress = bench.progress if bench is not None else None
     rows: dict[str, dict] = {}
     notes: list[str] = []
     timed = kvmesh_engines(urls)
@@ -183,6 +186,8 @@ def run_replicas(
             row.update(summarize(n, views, front_counts(front_url, replicas)))
             row["front"] = FRONTS[front_kind]
             rows[name] = row
+            if bench is not None:
+                bench.add({"name": name, **row}, name)
             if not all(v.get("precise_entries") for v in views):
                 notes.append(f"{name}: a replica's precise index stayed empty (no KV events)")
         except Exception as exc:  # a failing row must not lose the others
