@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from kvmesh.engine.models.llama import ModelConfig
+    from kvmesh.engine.models.model_config import ModelConfig
 
 # a sequence with at most this many query tokens joins the batched decode path: a verify step's
 # k + 1 rows then cost about one decode batch, where an SDPA call per sequence costs several

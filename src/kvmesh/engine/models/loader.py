@@ -19,8 +19,9 @@ import torch
 
 from kvmesh.engine import load_progress
 from kvmesh.engine.models.expert_parallel import ExpertParallelConfig
-from kvmesh.engine.models.llama import ARCHITECTURES, LlamaForCausalLM, ModelConfig
-from kvmesh.engine.models.moe import MoeConfig, MoeForCausalLM
+from kvmesh.engine.models.llama import LlamaForCausalLM
+from kvmesh.engine.models.model_config import ARCHITECTURES, ModelConfig, MoeConfig
+from kvmesh.engine.models.moe import MoeForCausalLM
 from kvmesh.protocol.tokenizer import (
     DEFAULT_MODEL_ALIASES,
     DEFAULT_MODEL_NAME,

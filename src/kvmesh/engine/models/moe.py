@@ -10,8 +10,6 @@ the whole placement, so each knows where every pair goes without asking.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,53 +19,9 @@ from kvmesh.engine.models.expert_parallel import (
     dispatch_combine,
     initial_placement,
 )
-from kvmesh.engine.models.llama import MLP, LlamaForCausalLM, ModelConfig
-
-
-@dataclass(slots=True)
-class MoeConfig:
-    num_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    norm_topk_prob: bool  # renormalise the top-k probabilities to sum to 1 (Mixtral always)
-    decoder_sparse_step: int = 1  # layer i is sparse iff (i + 1) % step == 0 ...
-    mlp_only_layers: list[int] = field(default_factory=list)  # ... and i is not listed here
-    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a sigmoid-gated always-on expert
-
-    def __post_init__(self) -> None:
-        if not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ValueError("need 0 < num_experts_per_tok <= num_experts")
-        if self.decoder_sparse_step < 1:
-            raise ValueError("decoder_sparse_step must be >= 1")
-
-    def is_sparse(self, layer: int) -> bool:
-        step_hit = (layer + 1) % self.decoder_sparse_step == 0
-        return step_hit and layer not in self.mlp_only_layers
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict) -> MoeConfig | None:
-        """The MoE section of a Mixtral / Qwen2-MoE / Qwen3-MoE config.json; None if dense."""
-        arch = (cfg.get("architectures") or [cfg.get("model_type")])[0]
-        if arch in ("MixtralForCausalLM", "mixtral"):
-            if cfg.get("sliding_window") is not None:
-                raise ValueError("sliding-window attention is not supported")
-            return cls(
-                num_experts=cfg["num_local_experts"],
-                num_experts_per_tok=cfg.get("num_experts_per_tok", 2),
-                moe_intermediate_size=cfg["intermediate_size"],
-                norm_topk_prob=True,  # softmax over the top-k logits
-            )
-        if arch not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "qwen2_moe", "qwen3_moe"):
-            return None
-        return cls(
-            num_experts=cfg.get("num_experts") or cfg["num_local_experts"],
-            num_experts_per_tok=cfg["num_experts_per_tok"],
-            moe_intermediate_size=cfg["moe_intermediate_size"],
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-            decoder_sparse_step=cfg.get("decoder_sparse_step", 1),
-            mlp_only_layers=list(cfg.get("mlp_only_layers") or []),
-            shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
-        )
+from kvmesh.engine.models.llama import MLP, LlamaForCausalLM
+from kvmesh.engine.models.model_config import ModelConfig
+from kvmesh.engine.models.model_config import MoeConfig as MoeConfig  # (read here too)
 
 
 class SparseMoeBlock(nn.Module):
