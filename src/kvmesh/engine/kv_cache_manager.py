@@ -1,10 +1,12 @@
-"""KVCacheManager: per-request block tables over the BlockPool, with automatic prefix caching."""
+"""KVCacheManager: per-request block tables over the BlockPool, with automatic prefix caching.
+Asynchronous tier loads (engine.kv_loads) build on it; it knows them only as TierLoads."""
 
 from __future__ import annotations
 
+from collections.abc import Sized
 from itertools import takewhile
 from operator import attrgetter
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 from kvmesh.engine.block_pool import BlockPool, KVCacheBlock
 from kvmesh.engine.offload import KVOffloader
@@ -12,16 +14,31 @@ from kvmesh.engine.sequence import Request
 from kvmesh.engine.tiers import BlockToStore, OffloadTier
 from kvmesh.protocol.hashing import BlockHasher, block_hash_to_int, event_extra_keys
 
-if TYPE_CHECKING:
-    from kvmesh.engine.kv_loads import AsyncKVLoads
-
-
 _ref_cnt = attrgetter("ref_cnt")
 
 
 class ComputedBlocks(NamedTuple):
     blocks: list[KVCacheBlock]
     num_tokens: int
+
+
+class TierLoads(Protocol):
+    """Prefixes copied up from lower tiers while their requests wait, as the scheduler drives
+    them (engine.kv_loads.AsyncKVLoads is the one): ``computed_or_park`` gives the prefix to
+    admit a request with, or None while it waits; ``poll`` the requests to resume."""
+
+    @property
+    def jobs(self) -> Sized: ...  # the copies in flight
+    @property
+    def busy(self) -> bool: ...
+    @property
+    def num_waiting(self) -> int: ...
+    def computed_or_park(self, request: Request) -> ComputedBlocks | None: ...
+    def poll(self) -> list[Request]: ...
+    def wait(self, timeout: float = ...) -> None: ...
+    def release(self, request: Request) -> None: ...
+    def release_all(self) -> None: ...
+    def forget(self, request: Request) -> None: ...
 
 
 class KVCacheManager:
@@ -48,7 +65,7 @@ class KVCacheManager:
         self.prefix_cache_queries = 0  # tokens looked up at first admission, not yet reported
         self.prefix_cache_hits = 0
         self.offloader: KVOffloader | None = None
-        self.loads: AsyncKVLoads | None = None  # set: tier loads run on a copy worker
+        self.loads: TierLoads | None = None  # set: tier loads run on a copy worker
 
     def enable_offloading(self, tiers: list[tuple[str, int]], copier, bytes_per_block: int):
         """Add lower tiers [(medium, slots)], top first; `copier` (the runner) moves the KV."""
