@@ -191,6 +191,9 @@ def test_router_restart_smoke(tmp_path: Path) -> None:
     assert [p["name"] for p in result["phases"]] == ["baseline", "router-restart"]
     assert result["targets"]["lost_before_first_token"] == 0, result["phases"]
     assert result["targets"]["index_warm_ok"], result["router_restart"]
+    rows = json.loads((tmp_path / "chaos.rows.json").read_text())  # saved as each phase ended
+    assert rows["status"] == "complete" and rows["rows_done"] == rows["rows_total"] == 2
+    assert [r["name"] for r in rows["rows"]] == ["baseline", "router-restart"]
 
 
 def test_a_retried_request_is_lost_to_a_client_without_retries() -> None:

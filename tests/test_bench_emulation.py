@@ -67,3 +67,6 @@ def test_quick_run_reports_ratios_for_both_loads(tmp_path: Path) -> None:
         assert len(phase["per_engine"]) == phase["engines"]
     assert result["phases"]["heavy"]["engines"] == 2
     assert result["phases"]["heavy"]["streams_per_engine"] == 2
+    rows = json.loads((tmp_path / "emulation.rows.json").read_text())  # saved as they ended
+    assert rows["status"] == "complete" and rows["rows_done"] == rows["rows_total"] == 3
+    assert [r["phase"] for r in rows["rows"]] == ["light", "heavy", "heavy x2"]

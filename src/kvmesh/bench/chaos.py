@@ -44,6 +44,7 @@ import math
 import re
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
@@ -66,6 +67,7 @@ from kvmesh.bench.chaos_procs import (
     taken_ports,
     wait_ready,
 )
+from kvmesh.bench.progress import BenchRun
 from kvmesh.bench.router_procs import ENV
 
 PHASES = ("baseline", "engine-restart", "router-restart", "drop-events", "errors", "hang", "stall")
@@ -172,12 +174,16 @@ def phase_faults(name: str, args: argparse.Namespace) -> tuple[int, dict, dict]:
     }.get(name, (-1, {}, {}))
 
 
-async def timeline(http, fleet: Fleet, names: list[str], args, st: State) -> list[rep.Phase]:
+async def timeline(
+    http, fleet: Fleet, names: list[str], args, st: State, bench: BenchRun | None = None
+) -> list[rep.Phase]:
     """Each phase: its kill and restart or its faults at the start, the faults cleared at the
     end. A phase lasts --phase-seconds, and a restart's at least half of that after the process
     is back (the engine: in the router's rotation again), so that the recovery is measured."""
     phases: list[rep.Phase] = []
-    for name in names:
+    for i, name in enumerate(names):
+        if bench is not None:
+            bench.phase(f"{name} ({args.phase_seconds:g} s)", i + 1, len(names))
         start = t0 = st.now()
         target = ""
         if name == "engine-restart":
@@ -208,10 +214,19 @@ async def timeline(http, fleet: Fleet, names: list[str], args, st: State) -> lis
         for u in urls if off else ():
             await set_faults(http, u, off, st)
         phases.append(rep.Phase(name, round(start, 3), round(st.now(), 3), target))
+        if bench is not None:
+            bench.add(phase_row(phases[-1], st.results), name)
     return phases
 
 
-async def run(fleet: Fleet, wl, names: list[str], args, console: Console):
+def phase_row(phase: rep.Phase, results: list[rep.Result]) -> dict:
+    """A phase as saved when it ends: its span and the outcomes of the requests sent in it
+    that have finished by then (the report recounts them all once the run ends)."""
+    outcomes = Counter(r.outcome for r in results if phase.start <= r.start < phase.end)
+    return asdict(phase) | {"finished": sum(outcomes.values()), "outcomes": dict(outcomes)}
+
+
+async def run(fleet: Fleet, wl, names: list[str], args, console: Console, bench: BenchRun):
     """Start the fleet, run load, monitor and timeline together; (state, phases)."""
     async with client_sessions(args) as (http, ctl):
         await start_fleet(ctl, fleet)
@@ -220,7 +235,7 @@ async def run(fleet: Fleet, wl, names: list[str], args, console: Console):
         mon = asyncio.create_task(monitor(ctl, fleet.router_url, st, mon_stop))
         load = asyncio.create_task(drive(http, fleet.router_url, model, wl, args, st))
         console.print(f"fleet up; phases: {', '.join(names)} ({args.phase_seconds:g} s each)")
-        phases = await timeline(ctl, fleet, names, args, st)
+        phases = await timeline(ctl, fleet, names, args, st, bench)
         st.stop.set()
         try:
             await asyncio.wait_for(load, args.request_timeout * args.emulate_time_scale + 10)
@@ -233,6 +248,11 @@ async def run(fleet: Fleet, wl, names: list[str], args, console: Console):
 
 
 def main(args: argparse.Namespace) -> int:
+    name = "chaos-hostile" if args.hostile else "chaos"
+    return BenchRun(name, args.out).call(_main, args)
+
+
+def _main(args: argparse.Namespace, bench: BenchRun) -> int:
     console = Console() if sys.stdout.isatty() else Console(width=170)
     for flag, _, default, quick, _ in KNOBS if args.quick else ():  # where left at default
         name = flag[2:].replace("-", "_")
@@ -273,10 +293,13 @@ def main(args: argparse.Namespace) -> int:
     console.print(title)
     console.print(f"router flags: {' '.join(rflags) or '(its defaults)'}")
     fleet = Fleet(args, out, rflags)
+    bench.config = {"title": title, "router_flags": rflags}
     if args.hostile:
-        return chaos_soak.main(args, fleet, wl, title, console)
+        return chaos_soak.main(args, fleet, wl, title, console, bench)
+    bench.total = len(names)
+    bench.note(f"starting {args.engines} emulated engines and the router")
     try:
-        st, phases = asyncio.run(run(fleet, wl, names, args, console))
+        st, phases = asyncio.run(run(fleet, wl, names, args, console, bench))
     finally:
         fleet.stop()
     look = min(5.0, args.phase_seconds / 2)

@@ -28,6 +28,7 @@ from kvmesh.bench.chaos_hostile import CLASSES, PARTIAL_TIMEOUT_S, HostileRecord
 from kvmesh.bench.chaos_load import drive
 from kvmesh.bench.chaos_metrics import parse_router_metrics
 from kvmesh.bench.chaos_procs import Fleet, State, client_sessions, start_fleet
+from kvmesh.bench.progress import BenchRun
 from kvmesh.bench.router_procs import ENV
 
 RECORDS = "hostile-records.json"  # the hostile process's records, beside the logs
@@ -119,7 +120,9 @@ async def one_run(http, ctl, fleet: Fleet, model, wl, args, seconds: float, host
     return st, grown
 
 
-async def soak(fleet: Fleet, wl, args: argparse.Namespace, console: Console) -> dict:
+async def soak(
+    fleet: Fleet, wl, args: argparse.Namespace, console: Console, bench: BenchRun | None = None
+) -> dict:
     """Warm-up, clean and hostile runs on one fleet; the result before assembly."""
     async with client_sessions(args) as (http, ctl):
         await start_fleet(ctl, fleet)
@@ -131,8 +134,13 @@ async def soak(fleet: Fleet, wl, args: argparse.Namespace, console: Console) -> 
             plan = (("warm-up", 2, args.warmup_seconds, None), ("clean", 0, soak_s, None))
             for name, shift, seconds, hostile in (*plan, ("hostile", 1, soak_s, proc)):
                 console.print(f"{name}: {seconds:g} s")
+                if bench is not None:
+                    bench.phase(f"{name} run ({seconds:g} s)", len(runs) + 1, 3)
                 text = replace(wl, seed=wl.seed + shift)  # the same sessions, their own text
                 runs[name] = await one_run(http, ctl, fleet, model, text, args, seconds, hostile)
+                if bench is not None:
+                    row = rep.normal_row(name, runs[name][0].results)
+                    bench.add(row | {"router_counters_grown": runs[name][1]}, f"{name} run")
         finally:
             if proc.returncode is None:
                 proc.kill()
@@ -157,10 +165,20 @@ def assemble(runs: dict[str, tuple[State, dict]], hostile: list[HostileRecord]) 
     }
 
 
-def main(args: argparse.Namespace, fleet: Fleet, wl, title: str, console: Console) -> int:
-    """Run the soak, print its tables and write hostile.json."""
+def main(
+    args: argparse.Namespace,
+    fleet: Fleet,
+    wl,
+    title: str,
+    console: Console,
+    bench: BenchRun | None = None,
+) -> int:
+    """Run the soak, print its tables and write hostile.json; each run's row saved by `bench`
+    as it ends."""
+    if bench is not None:
+        bench.total = 3
     try:
-        got = asyncio.run(soak(fleet, wl, args, console))
+        got = asyncio.run(soak(fleet, wl, args, console, bench))
     finally:
         fleet.stop()
     result = {"title": title, "engines": fleet.urls} | assemble(got["runs"], got["hostile"])

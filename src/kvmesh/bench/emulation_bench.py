@@ -27,6 +27,7 @@ import aiohttp
 
 from kvmesh.bench.emulation_report import diagnose, div, plot, print_table
 from kvmesh.bench.fleet_engines import ADMIN_KEY, admin_headers
+from kvmesh.bench.progress import BenchRun
 
 TARGET = 0.10  # |measured / predicted - 1| within this is faithful
 URL_RE = re.compile(r"(http://[\w.\-]+:\d+)/v1")
@@ -287,20 +288,29 @@ async def run_phase(
     }
 
 
-async def measure(args, urls: list[str], procs, phases: dict, scale: float) -> dict:
-    """Each (engines, streams) phase in turn on engines started at this time scale."""
+async def measure(
+    args, urls: list[str], procs, phases: dict, scale: float, bench: BenchRun
+) -> dict:
+    """Each (engines, streams) phase in turn on engines started at this time scale, each
+    saved by `bench` as it ends."""
     async with aiohttp.ClientSession() as http:
         async with http.get(f"{urls[0]}/v1/models") as resp:
             model = (await resp.json())["data"][0]["id"]
         warm = {"model": model, "prompt": "warm up", "max_tokens": 4, "stream": True}
         await asyncio.gather(*(one_request(http, u, warm, Stat()) for u in urls))
-    return {
-        name: await run_phase(urls[:engines], streams, args, model, procs, scale)
-        for name, (engines, streams) in phases.items()
-    }
+    out = {}
+    for name, (engines, streams) in phases.items():
+        bench.note(f"phase {name}: {engines} engines x {streams} streams, {args.duration:g} s")
+        out[name] = await run_phase(urls[:engines], streams, args, model, procs, scale)
+        bench.add({"phase": name, **out[name]}, name)
+    return out
 
 
 def main(args: argparse.Namespace) -> int:
+    return BenchRun("emulation", args.out).call(_main, args)
+
+
+def _main(args: argparse.Namespace, bench: BenchRun) -> int:
     if args.quick:
         args.engines, args.streams, args.light_engines, args.light_streams = 2, 2, 1, 1
         args.duration = 3.0
@@ -316,13 +326,15 @@ def main(args: argparse.Namespace) -> int:
     if args.time_scale and args.time_scale != 1:
         plan[args.time_scale] = {f"heavy x{args.time_scale:g}": heavy}
     phases, nprocs = {}, 0
+    bench.total = sum(len(group) for group in plan.values())
     for scale, group in plan.items():
         procs: list[subprocess.Popen] = []
         try:
             counts = [n for n, _ in group.values()], [s for _, s in group.values()]
+            bench.note(f"starting {max(counts[0])} emulated engines (time scale {scale:g})")
             procs, urls = start_engines(args, max(counts[0]), max(counts[1]), scale)
             nprocs = len(procs)
-            phases |= asyncio.run(measure(args, urls, procs, group, scale))
+            phases |= asyncio.run(measure(args, urls, procs, group, scale, bench))
         except (RuntimeError, aiohttp.ClientError, KeyError) as exc:
             print(f"kvmesh bench emulation: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 1

@@ -171,7 +171,7 @@ def _main(args: argparse.Namespace, plan: Plan, bench: BenchRun) -> int:
     bench.config = results["config"]
     progress = bench.progress
     phases = 1 + bool(args.vllm_url) + (not args.skip_hf)
-    bench.phase("kvmesh engine: starting `kvmesh serve`", 1, phases)
+    bench.phase("kvmesh engine (`kvmesh serve`)", 1, phases)
     task = progress.add_task("starting kvmesh engine (GET /health)", total=None)
     port = args.port or http_load.free_port()
     try:

@@ -193,7 +193,7 @@ class BenchRun:
 
     def phase(self, text: str, i: int | None = None, n: int | None = None) -> None:
         """A line that says which phase starts, `i` of `n` when counted."""
-        self.note(f"({i}/{n}) {text}" if i is not None and n is not None else text)
+        self.note(f"phase {i}/{n}: {text}" if i is not None and n is not None else text)
 
     def add(self, row: dict, label: str | None = None, *, quiet: bool = False) -> None:
         """A finished row: kept, saved at once, and announced on the progress stream. A quiet

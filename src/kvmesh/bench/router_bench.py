@@ -15,6 +15,7 @@ import textwrap
 import time
 from pathlib import Path
 
+from kvmesh.bench.progress import BenchRun
 from kvmesh.bench.router_interleave import DIRECT, latencies, percentiles_ms, sample
 from kvmesh.bench.router_micro import run_micro
 from kvmesh.bench.router_path import run_path
@@ -114,7 +115,7 @@ def measure_latency(router: str, engines: list[str], model: str | None, n: int, 
     return latencies(samples, errors)[router], direct
 
 
-def _interleaved(targets, urls, model, bins, prefix, args, engines, fleet) -> dict:
+def _interleaved(targets, urls, model, bins, prefix, args, engines, fleet, bench) -> dict:
     """--interleave: every router started at once; per round, the latency cases through all
     of them in turn, then each one's closed loop. Router label -> its rounds."""
     running: dict[str, tuple[Proc, str]] = {}
@@ -128,7 +129,7 @@ def _interleaved(targets, urls, model, bins, prefix, args, engines, fleet) -> di
                 fleet["failed"].append({"router": t.label, "error": str(exc)[-600:]})
         for r in range(args.rounds):
             fleet_size = plural(len(urls), "engine")
-            print(f"[{fleet_size}] interleaved, round {r + 1}/{args.rounds} ...", flush=True)
+            bench.note(f"[{fleet_size}] interleaved, round {r + 1}/{args.rounds}")
             try:
                 by_url, errors = sample(
                     {url: url for _, url in running.values()}, urls, model, args.requests,
@@ -140,6 +141,8 @@ def _interleaved(targets, urls, model, bins, prefix, args, engines, fleet) -> di
                 for label, (proc, url) in running.items():
                     loops = measure_loops([url], model, args, proc, engines)
                     rounds.setdefault(label, []).append({"latency": lat[url], **loops})
+                    row = {"engines": len(urls), "router": label, "round": r + 1}
+                    bench.add({**row, **rounds[label][-1]}, f"{label}, round {r + 1}")
             except (RuntimeError, OSError) as exc:
                 fleet["failed"].append({"router": "interleaved round", "error": repr(exc)[-600:]})
     finally:
@@ -147,13 +150,13 @@ def _interleaved(targets, urls, model, bins, prefix, args, engines, fleet) -> di
     return rounds
 
 
-def _sequential(targets, urls, model, bins, prefix, args, engines, fleet) -> dict:
+def _sequential(targets, urls, model, bins, prefix, args, engines, fleet, bench) -> dict:
     """Every router once per round, in turn: noise spreads over all. Label -> its rounds."""
     rounds: dict[str, list[dict]] = {}
     for r in range(args.rounds):
         for t in targets:
             fleet_size = plural(len(urls), "engine")
-            print(f"[{fleet_size}] {t.label} (round {r + 1}/{args.rounds}) ...", flush=True)
+            bench.note(f"[{fleet_size}] {t.label}, round {r + 1}/{args.rounds}")
             try:
                 proc, url = start_router(t, urls, prefix, bins, args.out)
             except RuntimeError as exc:
@@ -170,10 +173,15 @@ def _sequential(targets, urls, model, bins, prefix, args, engines, fleet) -> dic
             for name, samples in direct.items():
                 fleet["pooled"].setdefault(name, []).extend(samples)
             rounds.setdefault(t.label, []).append({"latency": lat, **loops})
+            row = {"engines": len(urls), "router": t.label, "round": r + 1}
+            bench.add({**row, **rounds[t.label][-1]}, f"{t.label}, round {r + 1}")
     return rounds
 
 
-def run_fleet(n: int, targets: list[Target], bins: dict, prefix: list[str], args) -> dict:
+def run_fleet(
+    n: int, targets: list[Target], bins: dict, prefix: list[str], args, bench: BenchRun
+) -> dict:
+    bench.note(f"starting {plural(n, 'engine')}")
     engines, urls = start_engines(n, prefix, args.out)
     fleet: dict = {"engines": n, "urls": urls, "routers": [], "failed": []}
     try:
@@ -184,11 +192,12 @@ def run_fleet(n: int, targets: list[Target], bins: dict, prefix: list[str], args
             p: post_status(urls[0] + p, {"prompt": "hi", "model": model})
             for p in ("/v1/completions/render", "/tokenize")
         }
-        print(f"[{plural(n, 'engine')}] direct closed loop ...", flush=True)
+        bench.note(f"[{plural(n, 'engine')}] direct closed loop")
         fleet["direct"] = measure_loops(urls, model, args, None, engines)
+        bench.add({"engines": n, "router": "direct", **fleet["direct"]}, "direct")
         fleet["pooled"] = {}  # direct samples of every round
         measure = _interleaved if args.interleave else _sequential
-        rounds = measure(targets, urls, model, bins, prefix, args, engines, fleet)
+        rounds = measure(targets, urls, model, bins, prefix, args, engines, fleet, bench)
         for t in targets:
             done = rounds.get(t.label)
             if done:  # the median of each figure over its rounds
@@ -214,6 +223,10 @@ def _targets(spec: str) -> list[Target]:
 
 
 def main(args: argparse.Namespace) -> int:
+    return BenchRun("router", args.out).call(_main, args)
+
+
+def _main(args: argparse.Namespace, bench: BenchRun) -> int:
     if args.quick:  # (routers named with --routers are kept)
         if args.routers == ALL_ROUTERS:
             args.routers = "kvmesh:kvmesh"
@@ -240,6 +253,8 @@ def main(args: argparse.Namespace) -> int:
             targets.append(t)
     for note in skipped:
         print(f"skipped: {note}", flush=True)
+    rows_per_fleet = 1 + len(targets) * args.rounds
+    bench.total = len(sizes) * rows_per_fleet + (0 if args.no_micro else 2)
     prefix, client_cpus, pin_note = pinning(not args.no_pin)
     result: dict = {
         "config": {
@@ -255,9 +270,9 @@ def main(args: argparse.Namespace) -> int:
         if client_cpus:
             os.sched_setaffinity(0, client_cpus)
         for n in sizes:
-            result["fleets"].append(run_fleet(n, targets, bins, prefix, args))
+            result["fleets"].append(run_fleet(n, targets, bins, prefix, args, bench))
         if not args.no_micro:
-            print("in-process scheduling micro-benchmark ...", flush=True)
+            bench.note("in-process scheduling micro-benchmark")
             result["micro"] = run_micro(
                 args.micro_tokens,
                 args.micro_endpoints,
@@ -266,12 +281,14 @@ def main(args: argparse.Namespace) -> int:
                 500 if args.quick else 5000,
                 args.seed,
             )
-            print("in-process request path ...", flush=True)
+            bench.add({"part": "micro", **result["micro"]}, "scheduling micro-benchmark")
+            bench.note("in-process request path")
             result["path"] = run_path(
                 ["kvmesh", "precise-prefix", "round-robin"],
                 300 if args.quick else 10_000,
                 1 if args.quick else 3,
             )
+            bench.add({"part": "path", **result["path"]}, "request path")
     finally:
         if before:
             os.sched_setaffinity(0, before)

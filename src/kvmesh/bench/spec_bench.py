@@ -21,16 +21,9 @@ from pathlib import Path
 
 import aiohttp
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    SpinnerColumn,
-    TextColumn,
-    TimeElapsedColumn,
-)
 
 from kvmesh.bench import http_load, spec_report
+from kvmesh.bench.progress import BenchRun
 from kvmesh.bench.spec_report import ChatResult
 from kvmesh.bench.spec_workloads import BenchRequest, requests
 from kvmesh.protocol.wording import plural
@@ -186,7 +179,8 @@ async def run_batch(
     return list(results), spec_report.acceptance(before, after)
 
 
-async def measure_arm(url: str, arm: str, plan: Plan, progress) -> dict:
+async def measure_arm(url: str, arm: str, plan: Plan, bench: BenchRun) -> dict:
+    progress = bench.progress
     async with http_load.session() as http:
         model = await http_load.first_model(http, url)
         warm = BenchRequest("chat", -1, (("user", "Say hello."),), "warm-up")
@@ -204,11 +198,16 @@ async def measure_arm(url: str, arm: str, plan: Plan, progress) -> dict:
                 failed = plural(len(errors), "request")
                 raise RuntimeError(f"{failed} failed: {'; '.join(errors[:3])}")
             runs.setdefault(wl, {})[str(b)] = spec_report.summarize(got) | {"acceptance": acc}
+            row = {"arm": arm, "workload": wl, "batch": b, **runs[wl][str(b)]}
+            bench.add(row, f"{arm}: {wl}, batch {b}")
     return runs
 
 
-def run_arm(arm: str, spec: dict | None, plan: Plan, serve_args: list[str], out: Path, progress):
+def run_arm(
+    arm: str, spec: dict | None, plan: Plan, serve_args: list[str], out: Path, bench: BenchRun
+) -> dict:
     """One arm from engine start to stop; a failure becomes {status: failed, reason}."""
+    progress = bench.progress
     args = list(serve_args) + (["--speculative-config", json.dumps(spec)] if spec else [])
     data: dict = {"speculative_config": spec, "serve_args": args}
     task = progress.add_task(f"{arm}: starting engine", total=None)
@@ -217,16 +216,17 @@ def run_arm(arm: str, spec: dict | None, plan: Plan, serve_args: list[str], out:
         with http_load.EngineProcess(http_load.free_port(), args, out / f"engine-{arm}.log") as url:
             data["start_s"] = round(time.perf_counter() - t0, 2)
             progress.update(task, total=1, completed=1)
-            data["runs"] = asyncio.run(measure_arm(url, arm, plan, progress))
+            data["runs"] = asyncio.run(measure_arm(url, arm, plan, bench))
         data["status"] = "ok"
     except Exception as exc:  # the engine's log tail is in the message
         data |= {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"}
-        progress.update(task, total=1, completed=1, description=f"{arm}: [red]failed[/red]")
+        progress.update(task, total=1, completed=1, description=f"{arm}: failed")
+        bench.note(f"{arm}: {data['reason'][:300]}")
     data["wall_s"] = round(time.perf_counter() - t0, 2)
     return data
 
 
-def run_emulated(console: Console, out: Path, quick: bool) -> int:
+def run_emulated(console: Console, out: Path, quick: bool, bench: BenchRun | None = None) -> int:
     try:
         from kvmesh.bench.spec_emulated import run_emulated as emulated
     except ModuleNotFoundError as exc:
@@ -237,7 +237,7 @@ def run_emulated(console: Console, out: Path, quick: bool) -> int:
             "this checkout (the emulated variant is not available yet)[/red]"
         )
         return 2
-    result = emulated(out, quick)
+    result = emulated(out, quick, bench)
     if isinstance(result, dict) and result.get("rows"):
         spec_report.print_rows(console, "kvmesh bench spec --emulated", result["rows"])
     console.print(f"results in {out}")
@@ -245,11 +245,16 @@ def run_emulated(console: Console, out: Path, quick: bool) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
+    name = "spec-emulated" if args.emulated else "spec"
+    return BenchRun(name, args.out).call(_main, args)
+
+
+def _main(args: argparse.Namespace, bench: BenchRun) -> int:
     console = Console()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.emulated:
-        return run_emulated(console, out, bool(args.quick))
+        return run_emulated(console, out, bool(args.quick), bench)
     try:
         plan = make_plan(args)
         specs = {"off": None, "ngram": json.loads(args.ngram_config)}
@@ -270,10 +275,11 @@ def main(args: argparse.Namespace) -> int:
         "loadavg": {"start": os.getloadavg()[0]},  # others' CPU use makes every figure noisy
         "arms": {},
     }
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn())
-    with Progress(*columns, MofNCompleteColumn(), TimeElapsedColumn(), console=console) as progress:
-        for arm in plan.arms:
-            results["arms"][arm] = run_arm(arm, specs[arm], plan, serve_args, out, progress)
+    bench.config = results["config"]
+    bench.total = len(plan.arms) * len(plan.workloads) * len(plan.batch_sizes)
+    for i, arm in enumerate(plan.arms):
+        bench.phase(f"arm {arm}", i + 1, len(plan.arms))
+        results["arms"][arm] = run_arm(arm, specs[arm], plan, serve_args, out, bench)
     results["loadavg"]["end"] = os.getloadavg()[0]
     results["wall_s"] = round(time.perf_counter() - t0, 1)
     results["rows"] = spec_report.rows(results["arms"])

@@ -23,6 +23,7 @@ import json
 import pathlib
 from dataclasses import replace
 
+from kvmesh.bench.progress import BenchRun
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.emulation.dp_group import DPGroup
 from kvmesh.engine.emulation.latency import ACCELERATORS, MODELS
@@ -97,11 +98,14 @@ def measure_engine(users: int, spec: dict | None, steps: int, context: int = CON
     }
 
 
-def run_emulated(out_dir: pathlib.Path, quick: bool = False) -> dict:
+def run_emulated(out_dir: pathlib.Path, quick: bool = False, bench: BenchRun | None = None) -> dict:
     """Tok/s per user with and without MTP 3 at rising concurrency; writes spec_emulated.json
-    and spec_emulated.png into out_dir and returns what the JSON holds."""
+    and spec_emulated.png into out_dir and returns what the JSON holds. `bench` saves each
+    concurrency's row as it is measured."""
     ep = roofline()
     levels = QUICK_LEVELS if quick else LEVELS
+    if bench is not None:
+        bench.total = len(levels)
     rows = []
     for users in levels:
         off, on = steady_rate(ep, users, 0), steady_rate(ep, users, NUM_SPEC_TOKENS)
@@ -113,7 +117,11 @@ def run_emulated(out_dir: pathlib.Path, quick: bool = False) -> dict:
                 "speedup": round(on["tok_s_per_user"] / off["tok_s_per_user"], 2),
             }
         )
+        if bench is not None:
+            bench.add(rows[-1], f"C={users}")
     check_users, check_steps = (16, 30) if quick else (32, 200)
+    if bench is not None:
+        bench.note(f"cross-check: emulated engines at C={check_users}, {check_steps} steps")
     check = {
         "concurrency": check_users,
         "context": CONTEXT,

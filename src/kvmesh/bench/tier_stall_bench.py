@@ -23,6 +23,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from kvmesh.bench.progress import BenchRun
+
 DECODE_PROMPT = "Count the boats in the harbour, one per line:"
 
 
@@ -89,6 +91,10 @@ def _trial(core, prompt: list[int], decode_ids: list[int], n: int, mode: str) ->
 
 
 def main(args: argparse.Namespace) -> int:
+    return BenchRun("tier-stall", args.out).call(_main, args)
+
+
+def _main(args: argparse.Namespace, bench: BenchRun) -> int:
     from kvmesh.engine.builder import build_engine
     from kvmesh.engine.config import EngineConfig
     from kvmesh.engine.sequence import Request, SamplingParams
@@ -110,6 +116,8 @@ def main(args: argparse.Namespace) -> int:
         num_threads=args.threads or None,
     )
     console = Console()
+    bench.total = 3 * args.repeats
+    bench.note("building the engine (SmolLM2-135M on this CPU)")
     bundle = build_engine(config)
     core = bundle.engine.core
     loads = core.kv.loads
@@ -120,17 +128,21 @@ def main(args: argparse.Namespace) -> int:
     decode_ids = core.tokenizer.encode(DECODE_PROMPT)
     once = {"max_tokens": 1, "temperature": 0}
     t0 = time.perf_counter()
-    _run(core, [Request("prompt", prompt, SamplingParams(**once))])
     trials = []
-    for n in range(args.repeats):
-        for mode in ("sync", "async", "device"):
-            if mode != "device":  # the prompt goes down to disk again
-                _run(core, [Request(f"filler-{mode}-{n}", filler, SamplingParams(**once))])
-            core.kv.loads = None if mode == "sync" else loads
-            trials.append(_trial(core, prompt, decode_ids, n, mode))
-            console.print(trials[-1])
+    try:  # a run stopped early still closes the engine (its disk and load threads)
+        bench.note(f"prefilling the {args.prompt_tokens}-token prompt")
+        _run(core, [Request("prompt", prompt, SamplingParams(**once))])
+        for n in range(args.repeats):
+            for mode in ("sync", "async", "device"):
+                if mode != "device":  # the prompt goes down to disk again
+                    _run(core, [Request(f"filler-{mode}-{n}", filler, SamplingParams(**once))])
+                core.kv.loads = None if mode == "sync" else loads
+                trials.append(_trial(core, prompt, decode_ids, n, mode))
+                console.print(trials[-1])
+                bench.add(trials[-1], f"{mode}, repeat {n + 1}/{args.repeats}")
+    finally:
+        bundle.close()
     console.print(f"setup and trials: {time.perf_counter() - t0:.0f} s")
-    bundle.close()
 
     table = Table(
         title=f"Decode stall while a {args.prompt_tokens}-token prefix loads from disk "

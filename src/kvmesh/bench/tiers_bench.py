@@ -29,6 +29,7 @@ from rich.table import Table
 
 from kvmesh.bench import http_load
 from kvmesh.bench.fleet_engines import ADMIN_KEY, admin_headers
+from kvmesh.bench.progress import BenchRun
 from kvmesh.protocol.prom import parse_samples
 
 PEER_HEADER = "x-kv-cache-source-host-port"
@@ -99,6 +100,10 @@ def _prompt_ids(url: str, seed: int, n: int) -> list[int]:
 
 
 def main(args: argparse.Namespace) -> int:
+    return BenchRun("tiers", args.out, total=len(ROWS)).call(_main, args)
+
+
+def _main(args: argparse.Namespace, bench: BenchRun) -> int:
     if args.quick:
         args.prompt_tokens, args.host_tier_gib, args.disk_tier_gib = 400, 0.1, 0.1
     out = Path(args.out)
@@ -125,6 +130,7 @@ def main(args: argparse.Namespace) -> int:
             rows[name]["samples_s"] = [round(x, 4) for x in samples]
         line = f"{name:>10}: TTFT {seconds * 1000:9.1f} ms, {cached} tokens cached {moved}"
         console.print(line, markup=False)  # counter keys carry [labels], not rich markup
+        bench.add({"row": name, **rows[name]}, name)
 
     def median(runs: list) -> tuple[tuple[float, int, dict], list[float]]:
         """The median sample, and every sample's TTFT."""
@@ -141,12 +147,14 @@ def main(args: argparse.Namespace) -> int:
         urllib.request.urlopen(reset, timeout=60).close()  # the puller forgets the last pull
         return _ttft(p_url, prompt, {PEER_HEADER: peer})
 
+    bench.note("starting 4 engines (tiered, spilling, two pullers)")
     with http_load.engine_processes(
         http_load.EngineProcess(ports[0], tiered, out / "tiered.log"),
         http_load.EngineProcess(ports[1], spilling, out / "spilling.log"),
         http_load.EngineProcess(ports[2], [*puller, "tcp"], out / "puller.log"),
         http_load.EngineProcess(ports[3], [*puller, "shm"], out / "shm-puller.log"),
     ) as (t_url, s_url, p_url, m_url):
+        bench.note(f"engines up; {args.prompt_tokens}-token prompts, one request at a time")
         prompt = _prompt_ids(t_url, 1, args.prompt_tokens)
         fillers = [_prompt_ids(t_url, seed, args.prompt_tokens) for seed in (2, 3)]
         warm_up = _prompt_ids(t_url, 99, 32)  # first-request costs stay out of the figures

@@ -35,6 +35,7 @@ from kvmesh.bench import cli_args, workloads
 from kvmesh.bench.chaos_procs import port_block
 from kvmesh.bench.kv_regime import regime, regime_line
 from kvmesh.bench.loadgen import run_workload
+from kvmesh.bench.progress import BenchRun, LineProgress
 from kvmesh.bench.router_rounds import median_rows
 from kvmesh.bench.up_procs import (
     Group,
@@ -95,7 +96,12 @@ def setups(args: argparse.Namespace, out: Path, preset: str) -> list[Setup]:
 
 
 async def measure(
-    s: Setup, wl: workloads.Workload, args: argparse.Namespace, out: Path, stop_load: int
+    s: Setup,
+    wl: workloads.Workload,
+    args: argparse.Namespace,
+    out: Path,
+    stop_load: int,
+    progress: LineProgress | None = None,
 ) -> dict:
     group = Group(out / s.label.replace(" ", "").replace(":", "-"), s.pythonpath)
     try:
@@ -117,6 +123,7 @@ async def measure(
             wl,
             engines=s.engines,
             label=s.label,
+            progress=progress,
             prompt_format=args.prompt_format,
             time_scale=args.emulate_time_scale,
             concurrency=args.concurrency,
@@ -252,9 +259,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--old-src", default="", help="src/ of an older checkout for setup a.")
     p.add_argument("--sep-src", default="", help="src/ of the checkout setup c runs [this].")
     cli_args.add_workload_args(p, ("trace", "agentic", "shared-prefix"))
-    p.add_argument(
-        "--presets", default="kvmesh", help="Router presets, comma-separated [kvmesh]."
-    )
+    p.add_argument("--presets", default="kvmesh", help="Router presets, comma-separated [kvmesh].")
     p.add_argument("--rounds", type=int, default=1, help="Runs of every setup and preset [1].")
     p.add_argument("--hog", type=int, default=0, help="Busy processes beside the stack [0].")
     p.add_argument(
@@ -278,6 +283,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    return BenchRun("up", args.out).call(_main, args)
+
+
+def _main(args: argparse.Namespace, bench: BenchRun) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     # the trace's defaults of this bench: 240 rows at 4 requests/s
@@ -285,16 +294,23 @@ def main(args: argparse.Namespace) -> int:
     wl = cli_args.build_workload(args, **defaults)
     presets = [p.strip() for p in args.presets.split(",") if p.strip()]
     runs: dict[str, list[dict]] = {}
+    chosen = [c for c in args.setups.split(",") if c != "a" or args.old_src]
+    bench.total = args.rounds * len(presets) * len(chosen)
+    bench.config = {"workload": wl.describe(), "presets": presets, "rounds": args.rounds}
     with busy_processes(args.hog):
         for r in range(args.rounds):
             for preset in presets:
                 for s in setups(args, out, preset):
+                    bench.note(f"round {r + 1}/{args.rounds}: {s.label}: starting")
                     t0 = time.monotonic()
                     stop_load = args.stop_load if r == 0 else 0
-                    result = asyncio.run(measure(s, wl, args, out / f"round{r + 1}", stop_load))
+                    where = out / f"round{r + 1}"
+                    result = asyncio.run(measure(s, wl, args, where, stop_load, bench.progress))
                     result["wall_s"] = round(time.monotonic() - t0, 1)
                     runs.setdefault(s.label, []).append(result)
                     print(f"round {r + 1}: {s.label}", json.dumps(result), flush=True)
+                    row = {"round": r + 1, "setup": s.label, **result}
+                    bench.add(row, f"round {r + 1}, {s.label}")
     rows = {label: median_rows(results) for label, results in runs.items()}
     compared = ratios(rows)
     failed = [f"{label}: {res['errors']} of {res['requests']} requests failed"
