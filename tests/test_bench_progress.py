@@ -60,7 +60,7 @@ def test_ctrl_c_marks_the_run_interrupted_and_keeps_its_rows(tmp_path):
     doc = _load(run.path)
     assert doc["status"] == "interrupted" and doc["interrupted"] is True
     assert doc["rows"] == [{"i": 0}] and doc["rows_done"] == 1 and doc["rows_total"] == 4
-    assert "interrupted by SIGINT" in err.getvalue()
+    assert "interrupted by SIGINT (Ctrl-C): 1 row saved" in err.getvalue()
 
 
 def test_sigterm_unwinds_like_ctrl_c_and_restores_the_handler(tmp_path):
@@ -103,7 +103,7 @@ def test_atomic_write_replaces_the_file_in_one_step(tmp_path):
 def test_line_progress_prints_start_throttled_updates_and_end():
     now = [0.0]
     err = io.StringIO()
-    p = LineProgress("demo", stream=err, every_s=10.0, clock=lambda: now[0])
+    p = LineProgress("demo", stream=err, every_s=10.0, heartbeat_s=0, clock=lambda: now[0])
     with p:
         task = p.add_task("kvmesh: batch 8", total=4)
         p.advance(task)  # within every_s of the last line: silent
@@ -118,6 +118,20 @@ def test_line_progress_prints_start_throttled_updates_and_end():
         "[bench demo 0:12] kvmesh: batch 8  2/4 (50%)",
         "[bench demo 0:12] kvmesh: batch 8  done 4/4 in 12.0 s",
     ]
+
+
+def test_a_silent_task_gets_a_heartbeat_line():
+    now = [0.0]
+    err = io.StringIO()
+    p = LineProgress("demo", stream=err, every_s=10.0, heartbeat_s=0.03, clock=lambda: now[0])
+    with p:
+        p.add_task("starting kvmesh engine", total=None)
+        now[0] = 45.0
+        deadline = time.monotonic() + 30
+        while "still running" not in err.getvalue():
+            assert time.monotonic() < deadline, err.getvalue()
+            time.sleep(0.01)
+    assert "[bench demo 0:45] starting kvmesh engine  still running (0:45)" in err.getvalue()
 
 
 def _wait_for_rows(path: Path, proc: subprocess.Popen, deadline_s: float) -> dict:

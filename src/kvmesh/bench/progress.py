@@ -9,7 +9,8 @@ The bench's own final output (results.json, a plot, a table) is written as befor
 
 `LineProgress` takes the calls benches make of rich.progress.Progress (add_task, update, advance)
 and prints lines instead of redrawing a bar, so the progress shows in a pipe or a log as well as
-on a terminal: a task's start, at most one line per task every `every_s` seconds, and its end."""
+on a terminal: a task's start, at most one line per task every `every_s` seconds, and its end;
+while the newest task says nothing (an engine starting), a line every `heartbeat_s` says so."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
+
+from kvmesh.protocol.wording import plural
 
 EXIT_INTERRUPTED = 130  # the shell's code for a run ended by SIGINT
 EXIT_TERMINATED = 143  # ... and by SIGTERM
@@ -64,25 +67,40 @@ class LineProgress:
         *,
         stream: TextIO | None = None,
         every_s: float = 10.0,
+        heartbeat_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.name, self.every_s, self.clock = name, every_s, clock
+        self.name, self.every_s, self.heartbeat_s, self.clock = name, every_s, heartbeat_s, clock
         self.stream = stream
         self.t0 = clock()
         self.tasks: dict[int, _Task] = {}
         self._lock = threading.Lock()  # advance may come from a worker thread
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
 
     def __enter__(self) -> LineProgress:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        return None
+        self.stop()
 
-    def start(self) -> None:  # rich's Live start / stop: nothing to draw here
+    def start(self) -> None:  # rich's Live start: nothing to draw here
         return None
 
     def stop(self) -> None:
-        return None
+        """Ends the heartbeat (a daemon thread: it never holds the process up either way)."""
+        self._stop.set()
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.heartbeat_s / 3):
+            with self._lock:
+                t = self.tasks[len(self.tasks) - 1]
+                now = self.clock()
+                if t.finished or now - t.printed < self.heartbeat_s:
+                    continue
+                t.printed = now
+                text = f"{t.description}  still running ({_clock_text(now - t.started)})"
+            self.note(text)
 
     def note(self, text: str) -> None:
         """One line: a phase begins, a row is saved, something went wrong."""
@@ -95,6 +113,9 @@ class LineProgress:
             now = self.clock()
             task_id = len(self.tasks)
             self.tasks[task_id] = _Task(description, total, 0, now, now)
+            if self._beat is None and self.heartbeat_s > 0 and not self._stop.is_set():
+                self._beat = threading.Thread(target=self._heartbeat, daemon=True)
+                self._beat.start()
         self.note(f"{description} ..." + (f" 0/{_count(total)}" if total else ""))
         return task_id
 
@@ -242,7 +263,7 @@ class BenchRun:
         if threading.current_thread() is threading.main_thread():
             self._old_term = signal.signal(signal.SIGTERM, self._on_term)
         self.save()
-        of = f" ({self.total} rows)" if self.total else ""
+        of = f" ({plural(self.total, 'row')})" if self.total else ""
         self.note(f"started{of}; rows are saved as they finish to {self.path}")
         return self
 
@@ -250,6 +271,7 @@ class BenchRun:
         raise Terminated()
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> bool:
+        self.progress.stop()
         if self._old_term is not None:
             signal.signal(signal.SIGTERM, self._old_term)
             self._old_term = None
@@ -262,11 +284,12 @@ class BenchRun:
             self.exit_code = EXIT_TERMINATED if term else EXIT_INTERRUPTED
             self.error = "SIGTERM" if term else "SIGINT (Ctrl-C)"
             self.finish("interrupted")
-            self.note(f"interrupted by {self.error}: {len(self.rows)} rows saved in {self.path}")
+            saved = plural(len(self.rows), "row")
+            self.note(f"interrupted by {self.error}: {saved} saved in {self.path}")
             return True
         self.error = f"{type(exc).__name__}: {exc}"[:500]
         self.finish("failed")
-        self.note(f"failed ({self.error}): {len(self.rows)} rows saved in {self.path}")
+        self.note(f"failed ({self.error}): {plural(len(self.rows), 'row')} saved in {self.path}")
         return False
 
     def call(self, body: Callable[..., int | None], *args: Any) -> int:
