@@ -92,6 +92,35 @@ def test_a_failing_bench_saves_its_rows_and_raises(tmp_path):
     assert doc["rows"] == [{"i": 0}]
 
 
+def test_quiet_rows_are_saved_in_batches_and_all_at_the_end(tmp_path):
+    def body(run: BenchRun) -> int:
+        run.add({"rid": 0}, quiet=True)  # within QUIET_SAVE_S of the start's save: held
+        assert _load(run.path)["rows"] == []
+        for rid in range(1, 50):
+            run.add({"rid": rid}, quiet=True)
+        return 0
+
+    err = io.StringIO()
+    run = BenchRun("trace", tmp_path, total=50, stream=err)
+    assert run.call(body) == 0
+    doc = _load(run.path)
+    assert doc["rows_done"] == 50 and [r["rid"] for r in doc["rows"]] == list(range(50))
+    assert "row 1/50 saved" not in err.getvalue()  # quiet rows: no line each
+
+
+def test_every_bench_command_saves_through_bench_run():
+    """Each `kvmesh bench X` main hands its body to BenchRun (rows saved as they finish)."""
+    import importlib
+    import inspect
+
+    from kvmesh.bench import workload_cmd
+    from kvmesh.cli import BENCH_COMMANDS
+
+    mains = [importlib.import_module(m).main for m, _ in BENCH_COMMANDS.values()]
+    for main in [*mains, workload_cmd.main_workload]:
+        assert "BenchRun(" in inspect.getsource(main), main.__module__
+
+
 def test_atomic_write_replaces_the_file_in_one_step(tmp_path):
     path = tmp_path / "x.json"
     write_json_atomic(path, {"a": 1})
