@@ -91,6 +91,27 @@ def test_nothing_is_predicted_until_min_samples_then_refits_every_refit_every():
     assert model.fits == 2
 
 
+def test_a_busy_router_refits_at_most_every_refit_interval():
+    """At thousands of reports a second, refit_every alone would fit hundreds of times a
+    second: a refit also waits for refit_interval seconds since the last, on the clock the
+    reports come with (the router's monotonic one, the simulator's virtual one)."""
+    model = TTFTModel(window=64, refit_every=8, min_samples=20, refit_interval=0.5)
+    stream = samples(GPU_BOUND, 200)
+    for x, y in (next(stream) for _ in range(20)):
+        model.observed("e", x, y, 100.0)
+    assert model.fits == 1  # the first fit comes as soon as min_samples are held
+    for x, y in (next(stream) for _ in range(40)):
+        model.observed("e", x, y, 100.4)
+    assert model.fits == 1  # five refit_every's worth, within the interval
+    model.observed("e", *next(stream), 100.5)
+    assert model.fits == 2 and model.since_fit == 0
+    for x, y in (next(stream) for _ in range(7)):
+        model.observed("e", x, y, 200.0)
+    assert model.fits == 2  # the interval passed, but not refit_every reports
+    model.observed("e", *next(stream), 200.0)
+    assert model.fits == 3
+
+
 def test_the_window_forgets_a_regime_that_ended():
     model = TTFTModel(window=128, refit_every=16, min_samples=32)
     for x, y in samples(GPU_BOUND, 300, seed=1):
@@ -195,15 +216,17 @@ def test_the_scorer_is_configured_by_name_with_its_parameters():
     scorer = build_plugin(
         "predicted-latency-scorer",
         "lat",
-        {"windowSamples": 64, "refitEvery": 4, "minSamples": 8},
+        {"windowSamples": 64, "refitEvery": 4, "minSamples": 8, "refitIntervalSeconds": 0.2},
         None,
     )
     assert isinstance(scorer, PredictedLatencyScorer)
     m = scorer.model
-    assert (m.window, m.refit_every, m.min_samples) == (64, 4, 8)
+    assert (m.window, m.refit_every, m.min_samples, m.refit_interval) == (64, 4, 8, 0.2)
     assert not scorer.include_tokens
     with pytest.raises(ValueError, match="windowSamples"):
         build_plugin("predicted-latency-scorer", "lat", {"windowSamples": 2}, None)
+    with pytest.raises(ValueError, match="refitIntervalSeconds"):
+        build_plugin("predicted-latency-scorer", "lat", {"refitIntervalSeconds": -1}, None)
 
 
 class Held:

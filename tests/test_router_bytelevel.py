@@ -99,3 +99,21 @@ def test_a_character_newer_than_pythons_tables_is_left_to_the_rust_tokenizer(bac
     )
     long = text + " words" * 40  # through the text cache's runs too
     assert list(pt.ids_and_keys(long, False)[0]) == tok.encode(long, add_special_tokens=False)
+
+
+# characters of every storage kind: ASCII, Latin-1 (one byte each), BMP (two), astral (four)
+_KINDS = st.text(st.sampled_from("ab \n\x00éÿΩ東😀"), max_size=600)
+
+
+@settings(max_examples=400, deadline=None)
+@given(a=_KINDS, b=_KINDS, shared=st.integers(0, 600))
+def test_the_compiled_common_prefix_equals_its_python_twin(a, b, shared):
+    """router._bytelevel.common_prefix (memcmp a block at a time, a character loop across
+    kinds) against text_runs.common_prefix_py, on texts sharing a long start (several
+    blocks) stored alike or not."""
+    from kvmesh.router import _bytelevel
+    from kvmesh.router.text_runs import common_prefix_py
+
+    b = a[:shared] + b
+    for x, y in ((a, b), (b, a), (a, a), (a + "Ω", a + "a"), (a, "😀" + b)):
+        assert _bytelevel.common_prefix(x, y) == common_prefix_py(x, y)

@@ -85,11 +85,11 @@ histories = st.tuples(
 
 @pytest.fixture(scope="module")
 def cached(tok):
-    # Small chunks and strides so that short texts exercise every cached path; the caches are
+    # Short runs and strides so that short texts exercise every cached path; the caches are
     # shared by all examples, so texts also meet the runs of earlier examples.
     return [
-        PromptTokenizer(tok, block_size=4, chunk_chars=8, cut_stride=2, hash_span=2),
-        PromptTokenizer(tok, chunk_chars=32, cut_stride=8, hash_span=4),
+        PromptTokenizer(tok, block_size=4, min_run_chars=8, cut_stride=2, hash_span=2),
+        PromptTokenizer(tok, min_run_chars=32, cut_stride=8, hash_span=4),
     ]
 
 
@@ -152,7 +152,7 @@ def test_growing_context_encodes_and_hashes_only_the_tail(tok):
     chars = pt.stats.chars_encoded - before[0]
     hashed = pt.stats.blocks_hashed - before[1]
     new_blocks = len(second) // 16 - len(first) // 16
-    # Overlap re-encoded: below one fine chunk + margin + two cut strides (~350 chars here).
+    # Overlap re-encoded: below the margin + two cut strides (~350 chars here).
     assert tail_chars <= chars <= tail_chars + 600, (chars, tail_chars)
     # Blocks hashed: the new ones plus at most one hash span of already known blocks.
     assert new_blocks <= hashed <= new_blocks + pt.hash_span, (hashed, new_blocks)
@@ -185,8 +185,8 @@ def test_a_prompt_extending_a_known_one_hashes_only_its_new_blocks(tok):
 
 def test_a_known_text_with_a_new_ending_re_encodes_from_where_they_differ(tok):
     """A prompt that repeats a known one but for its last characters (a shared context with a
-    new question, a benchmark's unique suffix) agrees with it character by character past its
-    last fingerprint, so only a seam before the difference is encoded again."""
+    new question, a benchmark's unique suffix) agrees with it character by character, so only
+    a seam before the difference is encoded again."""
     pt = PromptTokenizer(tok)
     base = " ".join(f"line {i}: the agent reads file_{i}.py and edits it." for i in range(200))
     pt.ids_and_keys(base + " #0", True)
@@ -196,15 +196,13 @@ def test_a_known_text_with_a_new_ending_re_encodes_from_where_they_differ(tok):
         ids, keys = pt.ids_and_keys(text, True)
         full = tok.encode(text, add_special_tokens=True)
         assert list(ids) == full and keys == ref_keys(full)
-        # the margin, a seam of a cut stride or two and the new characters (~80 here): less
-        # than the 128-character chunk that the last fingerprint ends, which agreeing only
-        # up to that fingerprint would encode again on top (~175)
-        assert pt.stats.chars_encoded - chars < pt.chunk, i
+        # the margin, a seam of a cut stride or two and the new characters (~80 here)
+        assert pt.stats.chars_encoded - chars < pt.min_run_chars, i
     assert pt.stats.full_encodes == 1 and pt.stats.seam_failures == 0
 
 
 def test_branching_and_unrelated_texts(tok):
-    pt = PromptTokenizer(tok, chunk_chars=32)
+    pt = PromptTokenizer(tok, min_run_chars=32)
     root = "System: be terse.\n" + "Shared context line with numbers 123456.\n" * 40
     texts = [root + "Question A? " * 30, root + "Question B! " * 30, "x" * 500, root[:-7] + "  \n"]
     for text in texts * 2:
@@ -264,7 +262,7 @@ class _Wrapped:
 @pytest.mark.parametrize("kw", [{"prepend_space": True}, {"offsets": False}, {"bos": 0}], ids=str)
 def test_non_local_or_unusual_tokenizers_stay_exact(tok, kw):
     fake = _Wrapped(tok, **kw)
-    pt = PromptTokenizer(fake, chunk_chars=16)
+    pt = PromptTokenizer(fake, min_run_chars=16)
     text = "word " * 20
     for i in range(30):
         text += f"turn{i} hello world\n"
@@ -382,8 +380,8 @@ def test_fast_bpe_refuses_other_tokenizer_layouts(tok):
 
 
 def test_a_long_prompt_seen_whole_is_answered_by_the_text_cache_alone(tok):
-    """A text the text cache holds is known again by its fingerprint: nothing encoded or
-    hashed, and no second copy of it in the whole-prompt cache."""
+    """A text the text cache holds is known again by a compare with its neighbour in order:
+    nothing encoded or hashed, and no second copy of it in the whole-prompt cache."""
     pt = PromptTokenizer(tok)
     text = "a prompt long enough to fill several blocks of sixteen tokens each, " * 4
     ids, keys = pt.ids_and_keys(text, False)
@@ -398,7 +396,7 @@ def test_a_long_prompt_seen_whole_is_answered_by_the_text_cache_alone(tok):
 def test_a_prompt_seen_whole_is_answered_from_the_whole_prompt_cache(tok):
     pt = PromptTokenizer(tok, whole_entries=2)
     text = "a short prompt that fills a block of sixteen tokens: one, two, three, four."
-    assert len(text) < pt.chunk  # (the text cache leaves it out)
+    assert len(text) < pt.min_run_chars  # (the text cache leaves it out)
     ids, keys = pt.ids_and_keys(text, False)
     ids = list(ids)
     assert ids == tok.encode(text, add_special_tokens=False) and keys == ref_keys(ids)
@@ -430,20 +428,46 @@ def test_the_whole_prompt_cache_keeps_at_most_its_token_budget(tok):
 
 
 @settings(max_examples=300, deadline=None)
-@given(
-    st.text(alphabet="ab é\n", max_size=40),
-    st.text(alphabet="ab é\n", max_size=40),
-    st.integers(0, 40),
-)
-def test_the_common_length_of_a_text_and_a_run_tail_is_where_they_first_differ(text, tail, start):
-    """text_runs._common (XOR of the bytes for ASCII, else a binary search) against a walk."""
-    from kvmesh.router.text_runs import _common
+@given(st.text(alphabet="ab é\n", max_size=40), st.text(alphabet="ab é\n", max_size=40))
+def test_the_common_prefix_of_two_texts_is_where_a_walk_first_finds_them_differ(a, b):
+    """text_runs.common_prefix (one compare, else a binary search) against a walk, with b
+    often a longer or shorter copy of a."""
+    from kvmesh.router.text_runs import common_prefix
 
-    start = min(start, len(text))
-    n = 0
-    while n < len(tail) and start + n < len(text) and text[start + n] == tail[n]:
-        n += 1
-    assert _common(text, start, tail) == n
+    for x, y in ((a, b), (a, a + b), (a + b, a), (a + b, a + a)):
+        n = 0
+        while n < len(x) and n < len(y) and x[n] == y[n]:
+            n += 1
+        assert common_prefix(x, y) == n
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.text(alphabet="ab é", max_size=12), min_size=1, max_size=30), st.data())
+def test_the_run_store_finds_the_kept_text_sharing_the_longest_prefix(texts, data):
+    """RunStore.find against a scan of every kept text, as runs are added, superseded and
+    dropped for their budget."""
+    from kvmesh.router.text_runs import Run, RunStore, common_prefix
+
+    store = RunStore(max_runs=8, max_tokens=10**6)
+    for text in texts:
+        found = store.find(text)
+        kept = list(store.runs)
+        best = max((common_prefix(r.text, text) for r in kept), default=0)
+        if text in [r.text for r in kept]:
+            assert found.exact is not None and found.exact.text == text
+        else:
+            assert found.exact is None and found.agree == best
+            assert (found.run is None) == (best == 0)
+            if found.run is not None:
+                assert common_prefix(found.run.text, text) == best
+                assert found.extends == (best == len(found.run.text))
+            store.add(Run(text, [len(text)], ([0], [0])), found)
+        store.settle()
+        assert store.texts == sorted(r.text for r in store.runs) == [r.text for r in store.ordered]
+        assert len(store.runs) <= 8
+    if store.runs and data.draw(st.booleans()):
+        store.drop(next(iter(store.runs)))
+        assert store.texts == sorted(r.text for r in store.runs)
 
 
 @settings(max_examples=300, deadline=None)

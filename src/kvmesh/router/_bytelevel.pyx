@@ -1,5 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False
-"""Compiled twin of router.fastbpe's encoding of an ASCII text: GPT-2's pre-tokenizer split
+"""Compiled twins of the router's scans over a text's bytes: text_runs.common_prefix, and
+router.fastbpe's encoding of an ASCII text: GPT-2's pre-tokenizer split
 (``fastbpe.ASCII_SPLIT``, the regex's alternatives in order) written as a scan of the text's
 bytes, each piece's ids read from the word cache in the same pass, and the cuts chosen as
 ``FastBPE.encode_with_cuts`` chooses them. tests/test_router_bytelevel.py holds it equal to the
@@ -16,6 +17,7 @@ any starts, and the text between them is split alone.
 """
 
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from cpython.unicode cimport PyUnicode_DATA, PyUnicode_GET_LENGTH, PyUnicode_KIND, PyUnicode_READ
 from libc.string cimport memcmp, memset
 
 cdef enum:
@@ -180,3 +182,19 @@ cdef class AsciiScanner:
             PyMem_Free(char_end)
             PyMem_Free(tok_end)
             PyMem_Free(space)
+
+
+def common_prefix(str a not None, str b not None):
+    """text_runs.common_prefix: how many leading characters ``a`` and ``b`` share. Texts stored
+    alike (one kind: 1, 2 or 4 bytes a character) are compared a block at a time with memcmp up
+    to the block that differs, then character by character."""
+    cdef Py_ssize_t n = min(PyUnicode_GET_LENGTH(a), PyUnicode_GET_LENGTH(b)), i = 0
+    cdef unsigned int ka = PyUnicode_KIND(a), kb = PyUnicode_KIND(b)
+    cdef char* da = <char*>PyUnicode_DATA(a)
+    cdef char* db = <char*>PyUnicode_DATA(b)
+    if ka == kb:
+        while i + 256 <= n and memcmp(da + i * ka, db + i * ka, 256 * ka) == 0:
+            i += 256
+    while i < n and PyUnicode_READ(ka, da, i) == PyUnicode_READ(kb, db, i):
+        i += 1
+    return i

@@ -1,8 +1,9 @@
 """Token ids -> the engine's block hashes (as KV-event ints), cached for growing prompts.
 
 Each hashed sequence keeps its digests; a fingerprint of its token ids every ``hash_span``
-blocks (a span checkpoint: xxh3-128 with a seed drawn per process) finds them again, so a
-known prefix costs no hashing.
+blocks (a span checkpoint: xxh3-128 with a seed drawn per process, so collisions cannot be
+crafted; one could only mis-key a routing hint, engines hash their own blocks) finds them again,
+so a known prefix costs no hashing.
 
 Not thread-safe: the router calls it from one thread at a time.
 """
@@ -69,7 +70,7 @@ class BlockKeyCache:
         self.stats = stats if stats is not None else BlockKeyStats()
         self.blocks = 0
         self._spans: OrderedDict[bytes, _Seq] = OrderedDict()  # span checkpoint -> sequence
-        self._seed = secrets.randbits(64)  # (a fingerprint's: see router.tokens)
+        self._seed = secrets.randbits(64)
 
     def block_keys(
         self, token_ids: Sequence[int], cache_salt: str | None = None, lora_name: str | None = None

@@ -18,7 +18,6 @@ lets the event loop run).
 from __future__ import annotations
 
 import json
-import os
 import re
 import unicodedata
 from bisect import bisect_left
@@ -28,12 +27,10 @@ from typing import Any
 
 import regex
 
-try:
-    from kvmesh.router._bytelevel import AsciiScanner
-except ImportError:  # not built (no C compiler at install): the Python path does it all
-    AsciiScanner = None
-if os.environ.get("KVMESH_PURE_PYTHON", "") not in ("", "0"):  # the twin on purpose
-    AsciiScanner = None
+from kvmesh.router.compiled import bytelevel
+
+_compiled = bytelevel()
+AsciiScanner = _compiled.AsciiScanner if _compiled is not None else None  # None: the Python path
 
 SCAN_CHARS = 65_536  # the longest text the compiled scan takes (it holds the GIL throughout)
 

@@ -72,8 +72,8 @@ def prefilled(load: Load, now: float | None = None) -> None:
         _prefill_done(load)
         probe = load.probe
         if probe is not None:
-            took = (monotonic() if now is None else now) - load.sent_at
-            probe.model.observed(probe.endpoint, probe.features, took)
+            now = monotonic() if now is None else now
+            probe.model.observed(probe.endpoint, probe.features, now - load.sent_at, now)
 
 
 def _prefill_done(load: Load) -> None:

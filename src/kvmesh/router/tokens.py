@@ -3,17 +3,17 @@ hashes come from router.block_keys, cached too. What text a request's prompt is 
 rendering, its checks) is protocol.prompt's, shared with the engine; this module only encodes.
 
 A prompt seen before whole (a retry, a benchmark, a repeated question) is answered with no
-encoding or block hashing: a short one (under ``chunk_chars``, which the text cache leaves out)
+encoding or block hashing: a short one (under ``min_run_chars``, which the text cache leaves out)
 from a small LRU of whole prompts, a longer one from the text cache's exact hit below.
 
 An agent's next prompt is usually its last prompt plus more text. Each encoded text is kept as a
 *run*: its ids and *cuts*, token boundaries that fall on character boundaries; router.text_runs
-finds the run agreeing longest with a text, by fingerprints of text prefixes. A text that
-agrees with a run for ``a`` characters reuses the run's ids up to a cut ``c0`` safely before
-``a`` and encodes only ``text[c0:]``. Byte-level BPE pre-tokenisation is local, but this is
-verified, not assumed: the fresh tail must reproduce the run's tokens from ``c0`` to the next
-cut ``c1`` (the seam), and a non-space character must follow ``c0`` before the texts may differ
-(whitespace runs are split by lookahead); otherwise the whole text is encoded.
+finds the run agreeing longest with a text (a neighbour of it in the runs' sorted texts). A
+text that agrees with a run for ``a`` characters reuses the run's ids up to a cut ``c0``
+safely before ``a`` and encodes only ``text[c0:]``. Byte-level BPE pre-tokenisation is local,
+but this is verified, not assumed: the fresh tail must reproduce the run's tokens from ``c0``
+to the next cut ``c1`` (the seam), and a non-space character must follow ``c0`` before the
+texts may differ (whitespace runs are split by lookahead); otherwise the whole text is encoded.
 
 Not thread-safe: the router calls it from one event loop.
 """
@@ -51,7 +51,7 @@ class PromptTokenizer:
         *,
         cache_tokens: int = 4_000_000,
         hash_cache_blocks: int = 262_144,
-        chunk_chars: int = 128,
+        min_run_chars: int = 128,
         cut_stride: int = 16,
         hash_span: int = 16,
         whole_entries: int = 1024,
@@ -59,14 +59,14 @@ class PromptTokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self.block_size = block_size
-        self.chunk = chunk_chars
+        self.min_run_chars = min_run_chars  # shorter texts are not kept as runs
         self.cut_stride = cut_stride
         self.hash_span = hash_span
         self.stats = TokenizerStats()
         # keeps at most hash_cache_blocks block digests; counts into self.stats
         self._keys = BlockKeyCache(block_size, hash_algo, hash_cache_blocks, hash_span, self.stats)
         # the text cache: at most cache_entries runs and cache_tokens ids over all of them
-        self._runs = RunStore(chunk_chars, cache_entries, cache_tokens)
+        self._runs = RunStore(cache_entries, cache_tokens)
         # (text, add_special_tokens, cache_salt) -> (ids, keys), oldest first. Invariant: at
         # most whole_entries entries and whole_tokens ids over all (_whole_held of them)
         self._whole: OrderedDict[tuple[str, bool, str | None], tuple[Sequence[int], list[int]]]
@@ -118,11 +118,12 @@ class PromptTokenizer:
         text cache's compact ``array('I')``: a growing prompt's thousands of ids are copied as
         bytes, never made into as many int objects (the router reads only their count). A text
         the text cache holds is not keyed again by the whole-prompt cache: the text cache knows
-        a repeat from the text's fingerprint, where a dict key would hash all of it again."""
+        a repeat by comparing it with its neighbour in order, where a dict key would hash all
+        of it again."""
         if self._deferred:
             self.settle()
         runs = cache_salt is None and (self._specials is not None or not add_special_tokens)
-        if runs and self._cacheable and len(text) >= self.chunk:
+        if runs and self._cacheable and len(text) >= self.min_run_chars:
             return self._run_ids_and_keys(text, add_special_tokens)
         key = (text, add_special_tokens, cache_salt)
         whole = self._whole
@@ -254,7 +255,7 @@ class PromptTokenizer:
         whose ids equal these for the first ``same`` (so do their block keys)."""
         st = self.stats
         st.encodes += 1
-        if not self._cacheable or len(text) < self.chunk:
+        if not self._cacheable or len(text) < self.min_run_chars:
             st.full_encodes += 1
             st.chars_encoded += len(text)
             return self._plain(text, False), None, None, 0
@@ -273,7 +274,7 @@ class PromptTokenizer:
             st.prefix_hits += 1
             ids, cuts, same = hit
             parent = run
-        new = Run(text, self.chunk, ids, cuts)
+        new = Run(text, ids, cuts)
         self._runs.add(new, found)
         return new.ids, new, parent, same
 

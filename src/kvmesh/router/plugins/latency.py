@@ -6,7 +6,9 @@ At each pick the scorer records the chosen endpoint's features (FEATURES: what t
 there, and what this request lacks there); when that forward's first token comes,
 router.forward_load reports the time it took (`TTFTModel.observed`). A least-squares fit of
 time on features, every coefficient at least 0, over the last `window` reports and redone every
-`refit_every`, says what each feature costs on this fleet, not on a model of its GPUs.
+`refit_every` (and at most every `refit_interval` seconds: a fit is ~100 us, which at thousands
+of requests a second would cost more than the rest of the scorer), says what each feature costs
+on this fleet, not on a model of its GPUs.
 
 Where prefill is the slow part, an uncached or queued token costs much and a queued request
 little beyond its tokens; where the host is (engines starved of CPU, every engine step costing
@@ -19,6 +21,7 @@ what the cache scorers would pile onto one holder.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from textwrap import indent
 
@@ -63,12 +66,13 @@ class TTFTModel:
     observations. Invariants: the last `count` (at most `window`) observations are held, each a
     row of the rings `x` (features) and `y` (seconds), the next written at `next_row`; `coef`
     is None until `min_samples` have been observed, then the fit of the rows held at the last
-    refit; `prefilling[name]` is the number of probes started on `name` and neither observed
-    nor dropped."""
+    refit, done at `fitted_at` (time.monotonic); `prefilling[name]` is the number of probes
+    started on `name` and neither observed nor dropped."""
 
     window: int = 512
     refit_every: int = 32
     min_samples: int = 32
+    refit_interval: float = 0.0  # seconds
     coef: tuple[float, ...] | None = None
     prefilling: dict[str, int] = field(default_factory=dict)
     x: np.ndarray = field(init=False, repr=False)
@@ -77,11 +81,18 @@ class TTFTModel:
     next_row: int = field(default=0, init=False)
     since_fit: int = field(default=0, init=False)
     fits: int = field(default=0, init=False)
+    fitted_at: float = field(default=0.0, init=False)
 
     def __post_init__(self) -> None:
-        if self.window < len(FEATURES) or self.refit_every < 1 or self.min_samples < 1:
+        if (
+            self.window < len(FEATURES)
+            or self.refit_every < 1
+            or self.min_samples < 1
+            or not self.refit_interval >= 0
+        ):
             raise ValueError(
-                f"windowSamples must be >= {len(FEATURES)}, refitEvery and minSamples >= 1"
+                f"windowSamples must be >= {len(FEATURES)}, refitEvery and minSamples >= 1, "
+                "refitIntervalSeconds >= 0"
             )
         self.x = np.zeros((self.window, len(FEATURES)))
         self.y = np.zeros(self.window)
@@ -104,8 +115,11 @@ class TTFTModel:
         else:
             self.prefilling.pop(endpoint, None)
 
-    def observed(self, endpoint: str, features: tuple[float, ...], seconds: float) -> None:
-        """A started probe's first token came `seconds` after its forward was sent."""
+    def observed(
+        self, endpoint: str, features: tuple[float, ...], seconds: float, now: float | None = None
+    ) -> None:
+        """A started probe's first token came `seconds` after its forward was sent, at `now` on
+        the clock that timed it (time.monotonic when None; the simulator's is virtual)."""
         self.dropped(endpoint)
         if not seconds >= 0:  # (NaN too) a clock that went back: nothing learnt
             return
@@ -117,15 +131,20 @@ class TTFTModel:
             self.count += 1
         self.since_fit += 1
         if self.count >= self.min_samples and (
-            self.coef is None or self.since_fit >= self.refit_every
+            self.coef is None
+            or self.since_fit >= self.refit_every
+            and (time.monotonic() if now is None else now) - self.fitted_at >= self.refit_interval
         ):
-            self.refit()
+            self.refit(time.monotonic() if now is None else now)
 
-    def refit(self) -> None:
+    def refit(self, now: float | None = None) -> None:
+        """Fit the rows held; `now`: when, on observed's clock (None: the time is not kept)."""
         n = self.count
         self.coef = tuple(float(c) for c in nonnegative_fit(self.x[:n], self.y[:n]))
         self.since_fit = 0
         self.fits += 1
+        if now is not None:
+            self.fitted_at = now
         if logger.isEnabledFor(logging.DEBUG):
             fit = ", ".join(f"{f} {c:.4g}" for f, c in zip(FEATURES, self.coef, strict=True))
             logger.debug("time to first token over %d forwards, s per unit: %s", n, fit)

@@ -96,10 +96,21 @@ _TYPES = (
         SCORER,
         lambda n, p, c: PredictedLatencyScorer(
             n,
-            TTFTModel(int(p["windowSamples"]), int(p["refitEvery"]), int(p["minSamples"])),
+            TTFTModel(
+                int(p["windowSamples"]),
+                int(p["refitEvery"]),
+                int(p["minSamples"]),
+                float(p["refitIntervalSeconds"]),
+            ),
             bool(p["includeTokens"]),
         ),
-        {"windowSamples": 512, "refitEvery": 32, "minSamples": 32, "includeTokens": False},
+        {
+            "windowSamples": 512,
+            "refitEvery": 32,
+            "minSamples": 32,
+            "refitIntervalSeconds": 0.1,
+            "includeTokens": False,
+        },
     ),
     PluginType("queue-scorer", SCORER, lambda n, p, c: QueueScorer(n), {}),
     PluginType(
