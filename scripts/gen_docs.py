@@ -64,6 +64,9 @@ PARAMETERS = {
     "engine reports waiting for a batch slot.",
     ("predicted-latency-scorer", "windowSamples"): "First-token times kept for the fit.",
     ("predicted-latency-scorer", "refitEvery"): "New samples between fits.",
+    ("predicted-latency-scorer", "refitIntervalSeconds"): (
+        "Least seconds between fits, on the clock the samples come with (a fit is ~100 us)."
+    ),
     ("predicted-latency-scorer", "minSamples"): "Samples before the first fit (the score is "
     "1 everywhere until then).",
     ("predicted-latency-scorer", "includeTokens"): "Score the whole predicted time to first "
