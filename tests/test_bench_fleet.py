@@ -99,6 +99,10 @@ def test_single_url_agentic_command(tmp_path: Path, tokenizer) -> None:
     assert r["requests"] == doc["workload"]["requests"] == 4 and r["errors"] == 0
     assert 0 < r["hit_rate"] <= doc["ceiling"]["hit_rate"] + 0.02  # turn 2 reuses turn 1
     assert abs(r["engine_hit_rate"] - r["hit_rate"]) < 0.02
+    rows = json.loads((tmp_path / "agentic.rows.json").read_text())  # each request as it ended
+    assert rows["status"] == "complete" and rows["rows_done"] == rows["rows_total"] == 4
+    assert sorted(x["rid"] for x in rows["rows"]) == sorted(range(4))
+    assert all(x["ttft_ms"] > 0 and "error" not in x for x in rows["rows"])
 
 
 def test_engines_without_reset_get_fresh_prompts_per_policy(monkeypatch, tmp_path: Path) -> None:
