@@ -71,7 +71,7 @@ class LineProgress:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.name, self.every_s, self.heartbeat_s, self.clock = name, every_s, heartbeat_s, clock
-        self.stream = stream
+        self.stream = stream or sys.stderr  # this one, even where stderr is redirected later
         self.t0 = clock()
         self.tasks: dict[int, _Task] = {}
         self._lock = threading.Lock()  # advance may come from a worker thread
@@ -104,9 +104,8 @@ class LineProgress:
 
     def note(self, text: str) -> None:
         """One line: a phase begins, a row is saved, something went wrong."""
-        stream = self.stream or sys.stderr
         elapsed = _clock_text(self.clock() - self.t0)
-        print(f"[bench {self.name} {elapsed}] {text}", file=stream, flush=True)
+        print(f"[bench {self.name} {elapsed}] {text}", file=self.stream, flush=True)
 
     def add_task(self, description: str, total: float | None = None, **_: Any) -> int:
         with self._lock:
