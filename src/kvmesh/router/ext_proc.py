@@ -1,20 +1,24 @@
 """The router as an endpoint picker behind Envoy: Envoy's ext_proc service, answered as the
 Gateway API Inference Extension's EPP answers it (its endpoint picker protocol).
 
-Envoy's ext_proc filter (request headers SEND, request body BUFFERED) streams each request's
-headers and whole body here. The body is parsed and scheduled exactly as the router's own HTTP
-path does it (router.request_parser, Router.pick, router.handlers' peer source, Charge and
-error answers, router.pd's prefill leg), and the choice goes back as the header
+Envoy's ext_proc filter streams each request's headers and body here, the body either whole
+(``BUFFERED``) or in chunks as they arrive (``FULL_DUPLEX_STREAMED`` with request trailers
+``SEND``, the mode the Inference Extension's gateways use; Envoy names its mode in the stream's
+first message). The body is parsed and scheduled exactly as the router's own HTTP path does it
+(router.request_parser, Router.pick, router.handlers' peer source, Charge and error answers,
+router.pd's prefill leg), and the choice goes back as the header
 ``x-gateway-destination-endpoint: IP:PORT`` plus the same value in the dynamic metadata
 namespace ``envoy.lb``, which Envoy's ORIGINAL_DST cluster (``use_http_header``) or a subset /
-dynamic-forwarding load balancer routes on. The body is left as it came (CONTINUE) unless the
-P/D leg replaced it with one carrying the prefill endpoint's kv_transfer_params.
+dynamic-forwarding load balancer routes on. The body goes on as it came unless the P/D leg
+replaced it with one carrying the prefill endpoint's kv_transfer_params; router.ext_proc_messages
+shapes the answers for each mode.
 
 No endpoint: fail closed (ImmediateResponse 503, OpenAI error JSON) or, with fail_open, CONTINUE
 with no destination, so Envoy routes by its own configuration. The forward's load is charged
 when the destination is sent and released when Envoy ends the gRPC stream (the HTTP stream is
 over); the response headers, when Envoy sends them, mark the prompt computed and count the
-decision as the HTTP path's first byte does.
+decision as the HTTP path's first byte does. While the router drains (shutting down), streams
+already open go on and new ones are answered 503.
 """
 
 from __future__ import annotations
@@ -25,24 +29,30 @@ import logging
 import socket
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from time import perf_counter
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import grpc
-import msgspec
-from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3.external_processor_pb2_grpc import (
     ExternalProcessorServicer,
     add_ExternalProcessorServicer_to_server,
 )
-from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.struct_pb2 import Struct
 
 from kvmesh.protocol.auth import CHALLENGE_LINE, UNAUTHORIZED
-from kvmesh.protocol.openai import error_body
 from kvmesh.router import handlers
+from kvmesh.router.ext_proc_messages import (
+    FULL_DUPLEX_STREAMED,
+    Refusal,
+    Verdict,
+    immediate,
+    passed,
+    set_headers,
+    streamed_body,
+)
 from kvmesh.router.pd import prefill_remotely
 from kvmesh.router.peer_source import PEER_HEADER
 from kvmesh.router.request_reader import Request
@@ -57,41 +67,7 @@ METADATA_NAMESPACE = "envoy.lb"
 DP_RANK_HEADER = "x-data-parallel-rank"  # as router.upstream_pool sends it
 ENDPOINT_HEADER = "x-kvmesh-endpoint"  # on answers: the endpoint that served (as the proxy's)
 ADDRESS_TTL = 30.0  # seconds a resolved endpoint host is reused (ORIGINAL_DST wants an IP)
-
-
-class _Refusal:
-    """Stands in for the front door where router.handlers answers a request with an error, so
-    that the HTTP path's status, message and extra headers are the ones sent to Envoy."""
-
-    answer: tuple[int, str, str] | None = None
-
-    def respond_error(self, status: int, message: str, extra: str = "") -> None:
-        self.answer = (status, message, extra)
-
-
-def immediate(status: int, message: str, extra: str = "") -> pb.ProcessingResponse:
-    """Envoy answers the client itself: ``status`` with an OpenAI error body. ``extra``: header
-    lines as router.handlers writes them ("Name: value\\r\\n")."""
-    lines = [line.split(": ", 1) for line in extra.split("\r\n") if ": " in line]
-    headers = [("content-type", "application/json"), *((k.lower(), v) for k, v in lines)]
-    return pb.ProcessingResponse(
-        immediate_response=pb.ImmediateResponse(
-            status=HttpStatus(code=status),  # type: ignore[arg-type]  # enum values are codes
-            headers=pb.HeaderMutation(set_headers=_set(headers)),
-            body=msgspec.json.encode(error_body(message, status)),
-            details=f"kvmesh_epp_{status}",
-        )
-    )
-
-
-def _set(headers: list[tuple[str, str]]) -> list[HeaderValueOption]:
-    return [
-        HeaderValueOption(
-            header=HeaderValue(key=k, raw_value=v.encode("latin-1")),
-            append_action=HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
-        )
-        for k, v in headers
-    ]
+SHUTTING_DOWN = "The router is shutting down; retry the request."
 
 
 class EndpointPicker(ExternalProcessorServicer):
@@ -100,21 +76,48 @@ class EndpointPicker(ExternalProcessorServicer):
     def __init__(self, router: Router, fail_open: bool = False) -> None:
         self.router, self.fail_open = router, fail_open
         self._addresses: dict[str, tuple[str, float]] = {}  # host -> (IP, expiry)
+        self.open_streams = 0
+        self.draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     async def Process(  # noqa: N802  # the gRPC method's name
         self, requests: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ProcessingResponse]:
-        """One HTTP request's stream: an answer per message Envoy sends, in order; an immediate
-        response ends it. Whatever load was charged is released when the stream ends."""
+        """One HTTP request's stream: answers in the order of Envoy's messages (streamed bodies
+        may hold some back until the body is whole); an immediate response ends it. Whatever
+        load was charged is released when the stream ends."""
+        if self.draining:
+            yield immediate(503, SHUTTING_DOWN, "Retry-After: 1\r\n")
+            return
         stream = _Stream(self)
+        self.open_streams += 1
+        self._idle.clear()
         try:
             async for message in requests:
-                answer = await stream.answer(message)
-                yield answer
-                if answer.HasField("immediate_response"):
-                    return
+                if message.HasField("protocol_config"):
+                    config = message.protocol_config
+                    stream.streamed_request = config.request_body_mode == FULL_DUPLEX_STREAMED
+                    stream.streamed_response = config.response_body_mode == FULL_DUPLEX_STREAMED
+                for answer in await stream.answer(message):
+                    yield answer
+                    if answer.HasField("immediate_response"):
+                        return
         finally:
             stream.end()
+            self.open_streams -= 1
+            if not self.open_streams:
+                self._idle.set()
+
+    async def drain(self, timeout: float) -> bool:
+        """Answer new streams 503 from now on; wait (at most timeout seconds) for the open
+        ones to end. Whether they all did."""
+        self.draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
 
     async def address(self, e: Endpoint) -> str:
         """e's IP:PORT, as the Inference Extension's header names it (a host name resolved)."""
@@ -139,56 +142,77 @@ class _Stream:
 
     def __init__(self, picker: EndpointPicker) -> None:
         self.picker, self.router = picker, picker.router
+        self.streamed_request = self.streamed_response = False  # FULL_DUPLEX_STREAMED bodies
         self.headers: dict[str, str] = {}
         self.body: list[bytes] = []
+        self.size = 0  # bytes of body received
+        self.decided = False  # the request's answer is sent (streamed: the held headers' too)
         self.endpoint: Endpoint | None = None
         self.charge: handlers.Charge | None = None
 
-    async def answer(self, message: pb.ProcessingRequest) -> pb.ProcessingResponse:
+    async def answer(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        """The answers to one of Envoy's messages (none while a streamed body is incomplete)."""
         kind = message.WhichOneof("request")
         if kind == "request_headers":
-            http = message.request_headers
-            self.headers = {
-                h.key.lower(): h.raw_value.decode("latin-1") or h.value
-                for h in http.headers.headers
-            }
-            path = self.headers.get(":path", "").partition("?")[0]  # a query is never echoed
-            if self.router.key_refused(path, self.headers):
-                return immediate(401, UNAUTHORIZED, CHALLENGE_LINE)
-            method = self.headers.get(":method", "")
-            if path in handlers.INFERENCE_PATHS and method != "POST":
-                return immediate(405, f"{method} is not allowed on {path}.")
-            if http.end_of_stream:  # no body: any endpoint serves it (as GIE's EPP does)
-                return await self._anywhere("request_headers")
-            return pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+            return await self._request_headers(message.request_headers)
         if kind == "request_body":
-            self.body.append(message.request_body.body)
-            if not message.request_body.end_of_stream:
-                return pb.ProcessingResponse(request_body=pb.BodyResponse())
-            body, self.body = b"".join(self.body), []
-            path = self.headers.get(":path", "").partition("?")[0]
-            if path in handlers.INFERENCE_PATHS:  # a POST: others were refused at the headers
-                return await self._schedule(path, body)
-            return await self._anywhere("request_body")
+            chunk = message.request_body
+            self.body.append(chunk.body)
+            self.size += len(chunk.body)
+            limit = self.router.config.max_body_bytes
+            if self.size > limit:
+                return [immediate(413, f"Request body over {limit} bytes.")]
+            if not chunk.end_of_stream:  # buffered: a chunk of a body over Envoy's buffer
+                return [] if self.streamed_request else [passed(kind)]
+            return await self._complete(kind, trailers=False)
+        if kind == "request_trailers":
+            if self.streamed_request and not self.decided:  # the body is whole: decide now
+                return [*await self._complete(kind, trailers=True), passed(kind)]
+            return [passed(kind)]
         if kind == "response_headers":
-            self._answered(message.response_headers)
-            answer = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
-            if self.endpoint is not None:
-                named = [(ENDPOINT_HEADER, self.endpoint.name)]
-                answer.response_headers.response.header_mutation.set_headers.extend(_set(named))
-            return answer
-        # trailers or a response body (not asked for by the documented config): pass through
-        return pb.ProcessingResponse(**{kind: _EMPTY[kind]()})
+            return [self._answered(message.response_headers)]
+        if kind == "response_body" and self.streamed_response:  # the answer, as it came
+            chunk = message.response_body
+            return streamed_body(kind, chunk.body, chunk.end_of_stream)
+        return [passed(kind)]  # response trailers, or a body not streamed: pass through
+
+    async def _request_headers(self, http: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
+        self.headers = {
+            h.key.lower(): h.raw_value.decode("latin-1") or h.value for h in http.headers.headers
+        }
+        path = self.headers.get(":path", "").partition("?")[0]  # a query is never echoed
+        if self.router.key_refused(path, self.headers):
+            return [immediate(401, UNAUTHORIZED, CHALLENGE_LINE)]
+        method = self.headers.get(":method", "")
+        if path in handlers.INFERENCE_PATHS and method != "POST":
+            return [immediate(405, f"{method} is not allowed on {path}.")]
+        if http.end_of_stream:  # no body: any endpoint serves it (as GIE's EPP does)
+            self.decided = True
+            verdict = await self._anywhere()
+            return verdict.answers("request_headers", self.streamed_request, b"")
+        if self.streamed_request:  # held until the body is whole: the pick needs it
+            return []
+        return [passed("request_headers")]
+
+    async def _complete(self, kind: str, trailers: bool) -> list[pb.ProcessingResponse]:
+        """The body is whole: schedule the request (an inference POST) or send it anywhere."""
+        body, self.body = b"".join(self.body), []
+        self.decided = True
+        path = self.headers.get(":path", "").partition("?")[0]
+        if path in handlers.INFERENCE_PATHS:  # a POST: others were refused at the headers
+            verdict = await self._schedule(path, body)
+        else:
+            verdict = await self._anywhere()
+        answer_kind = "request_body" if kind == "request_trailers" else kind
+        return verdict.answers(answer_kind, self.streamed_request, body, trailers)
 
     @property
     def auth(self) -> str | None:
         return self.headers.get("authorization")
 
-    async def _schedule(self, path: str, body: bytes) -> pb.ProcessingResponse:
+    async def _schedule(self, path: str, body: bytes) -> Verdict:
         """Parse, pick and answer as router.handlers does for its own clients."""
         router = self.router
-        if len(body) > router.config.max_body_bytes:
-            return immediate(413, f"Request body over {router.config.max_body_bytes} bytes.")
         t0 = perf_counter()
         headers = {k: v for k, v in self.headers.items() if not k.startswith(":")}
         target = self.headers.get(":path", path)
@@ -196,16 +220,16 @@ class _Stream:
         try:
             req = await router.parser.parse(request)
         except Exception as exc:
-            refusal = _Refusal()
+            refusal = Refusal()
             handlers.refuse(refusal, exc)  # type: ignore[arg-type]
             assert refusal.answer is not None
-            return immediate(*refusal.answer)
+            return Verdict(refusal=immediate(*refusal.answer))
         if router.warm_until:  # just started: the engines' KV-event replay is still coming in
             await router.wait_index_warm()
         result = router.pick(req, set())
         router.metrics.scheduling.observe(perf_counter() - t0)
         if result is None:
-            return self.no_endpoint("request_body")
+            return self.no_endpoint()
         e, send, source = result.primary, body, None
         if result.prefill is not None:  # P/D: the decode endpoint gets its KV from prefill
             send = await prefill_remotely(router, path, body, req, result.prefill)
@@ -216,23 +240,23 @@ class _Stream:
         extra = [("x-request-id", req.request_id)]
         if source is not None:
             extra.append((PEER_HEADER, source.address))
-        return await self._destination("request_body", e, extra, None if send is body else send)
+        return await self._destination(e, extra, None if send is body else send)
 
-    async def _anywhere(self, kind: str) -> pb.ProcessingResponse:
+    async def _anywhere(self) -> Verdict:
         """A request that is not scheduled (no body, or no inference route): the least busy
         healthy endpoint, no load charged."""
         candidates = self.router.pool.candidates()
         if not candidates:
-            return self.no_endpoint(kind)
+            return self.no_endpoint()
         e = min(candidates, key=lambda c: c.in_flight + c.waiting)
         self.endpoint = e
-        return await self._destination(kind, e, [], None)
+        return await self._destination(e, [], None)
 
     async def _destination(
-        self, kind: str, e: Endpoint, extra: list[tuple[str, str]], body: bytes | None
-    ) -> pb.ProcessingResponse:
-        """The answer that sends the request to e: the header and envoy.lb metadata naming it,
-        e's data-parallel rank, the Authorization endpoints take, and a replaced body; the
+        self, e: Endpoint, extra: list[tuple[str, str]], body: bytes | None
+    ) -> Verdict:
+        """The decision that sends the request to e: the header and envoy.lb metadata naming
+        it, e's data-parallel rank, the Authorization endpoints take, and a replaced body; the
         peer-source and rank headers a client sent are dropped."""
         address = await self.picker.address(e)
         headers = [(DESTINATION, address), *extra]
@@ -241,37 +265,32 @@ class _Stream:
         auth = self.router.config.upstream_authorization(self.auth)
         if auth and auth != self.auth:
             headers.append(("authorization", auth))
-        common = pb.CommonResponse()
-        if body is not None:
-            common.body_mutation.body = body
-            headers.append(("content-length", str(len(body))))
-        common.header_mutation.set_headers.extend(_set(headers))
+        mutation = pb.HeaderMutation(set_headers=set_headers(headers))
         # the router's own headers, never a client's (the HTTP proxy forwards no client header)
         named = {k for k, _ in headers}
-        unset = [h for h in (PEER_HEADER, DP_RANK_HEADER) if h not in named]
-        common.header_mutation.remove_headers.extend(unset)
+        mutation.remove_headers.extend(h for h in (PEER_HEADER, DP_RANK_HEADER) if h not in named)
         metadata = Struct()
         metadata.update({METADATA_NAMESPACE: {DESTINATION: address}})
-        answer = pb.ProcessingResponse(dynamic_metadata=metadata)
-        getattr(answer, kind).response.CopyFrom(common)
-        return answer
+        return Verdict(headers=mutation, metadata=metadata, body=body)
 
-    def no_endpoint(self, kind: str) -> pb.ProcessingResponse:
+    def no_endpoint(self) -> Verdict:
         if self.picker.fail_open:  # Envoy routes by its own configuration, never the client's
-            answer = pb.ProcessingResponse(**{kind: _EMPTY[kind]()})
-            getattr(answer, kind).response.header_mutation.remove_headers.append(DESTINATION)
-            return answer
-        refusal = _Refusal()
+            return Verdict(headers=pb.HeaderMutation(remove_headers=[DESTINATION]))
+        refusal = Refusal()
         handlers.no_endpoint(refusal)  # type: ignore[arg-type]
         assert refusal.answer is not None
-        return immediate(*refusal.answer)
+        return Verdict(refusal=immediate(*refusal.answer))
 
-    def _answered(self, http: pb.HttpHeaders) -> None:
+    def _answered(self, http: pb.HttpHeaders) -> pb.ProcessingResponse:
         """The endpoint's answer head: as the HTTP path's first byte, a 5xx counting towards
-        the endpoint's ejection."""
+        the endpoint's ejection; the answer names the endpoint that served."""
+        answer = passed("response_headers")
         e = self.endpoint
+        if e is not None:
+            named = set_headers([(ENDPOINT_HEADER, e.name)])
+            answer.response_headers.response.header_mutation.set_headers.extend(named)
         if e is None or self.charge is None:
-            return
+            return answer
         status = [
             h.raw_value or h.value.encode() for h in http.headers.headers if h.key == ":status"
         ]
@@ -279,11 +298,12 @@ class _Stream:
         if code >= 500:
             self.router.metrics.count(e.name, f"http_{code}")
             self.router.pool.request_failed(e, "5xx")
-            return
+            return answer
         self.charge.first_byte()
         self.charge.passed()
         e.errors = 0
         self.router.metrics.count(e.name, "ok" if code < 400 else f"http_{code}")
+        return answer
 
     def end(self) -> None:
         if self.charge is not None:
@@ -291,25 +311,31 @@ class _Stream:
             self.charge = None
 
 
-_EMPTY = {
-    "request_headers": pb.HeadersResponse,
-    "response_headers": pb.HeadersResponse,
-    "request_body": pb.BodyResponse,
-    "response_body": pb.BodyResponse,
-    "request_trailers": pb.TrailersResponse,
-    "response_trailers": pb.TrailersResponse,
-}
+@dataclass(slots=True)
+class ExtProcServer:
+    """The ext_proc gRPC server and its picker."""
+
+    server: grpc.aio.Server
+    picker: EndpointPicker
+
+    async def drain(self, timeout: float) -> bool:
+        """New streams refused (503), open ones given up to timeout seconds to end."""
+        return await self.picker.drain(timeout)
+
+    async def stop(self, grace: float | None = 0) -> None:
+        await self.server.stop(grace)
 
 
 async def serve_ext_proc(
     router: Router, host: str, port: int, fail_open: bool = False
-) -> tuple[grpc.aio.Server, int]:
+) -> tuple[ExtProcServer, int]:
     """Start the ext_proc gRPC server on host:port (0: any free port); returns it and the port
     bound. Messages may carry a whole request body: the limit follows --max-body-bytes."""
     size = router.config.max_body_bytes + 2**20
     options = [("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size)]
     server = grpc.aio.server(options=options)
-    add_ExternalProcessorServicer_to_server(EndpointPicker(router, fail_open), server)
+    picker = EndpointPicker(router, fail_open)
+    add_ExternalProcessorServicer_to_server(picker, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
-    return server, bound
+    return ExtProcServer(server, picker), bound
