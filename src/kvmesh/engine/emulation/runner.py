@@ -72,6 +72,9 @@ class EmulatedRunner(ModelRunner):
         self.pending_store_time = 0.0  # device -> tier copies, overlapped with the next step
         self.modelled_loads: dict[str, float] = {}  # medium -> seconds of loads modelled so far
         self.filler = tokenizer.encode(FILLER_TEXT, add_special_tokens=False) or [0]
+        # the filler then its start again: any run of up to len(filler) tokens is one slice
+        self._filler_twice = self.filler * 2
+        self._filler_wrap = len(self.filler)
         self._stream_starts: dict[str, int] = {}  # request id -> its offset in the filler
         self.last_step_time = 0.0
         self.predicted_time_total = 0.0
@@ -91,7 +94,7 @@ class EmulatedRunner(ModelRunner):
         n-gram is the real prompt lookup, checked against the output stream."""
         self.acceptance = Acceptance(config.method, self.spec_acceptance, self.spec_seed)
         if config.method in MODEL_DRAFTERS:
-            return EmulatedDrafter(self.stream_token)
+            return EmulatedDrafter(self.stream_tokens)
         return super().proposer(config)
 
     def stream_token(self, request: Request, index: int) -> int:
@@ -100,10 +103,13 @@ class EmulatedRunner(ModelRunner):
 
     def stream_tokens(self, request: Request, first: int, count: int) -> list[int]:
         """The emulated output tokens at output positions first, ..., first + count - 1."""
+        start = self._stream_starts.get(request.request_id)
+        if start is None:
+            start = self._stream_start(request)
+        start = (start + first) % len(self.filler)
+        if count <= self._filler_wrap:  # one slice of the filler followed by its start
+            return self._filler_twice[start : start + count]
         filler, n = self.filler, len(self.filler)
-        start = self._stream_start(request) + first
-        if count == 1:
-            return [filler[start % n]]
         return [filler[(start + j) % n] for j in range(count)]
 
     def _stream_start(self, request: Request) -> int:
@@ -146,15 +152,19 @@ class EmulatedRunner(ModelRunner):
         self.clock += self.last_step_time
         self.num_steps += 1
         sampled: SampledTokens = {}
+        acceptance, stream_tokens = self.acceptance, self.stream_tokens
         for item in samplers:
-            req = item.request
+            req, drafts = item.request, item.spec_token_ids
             first = len(req.output_token_ids)
             accepted = 0
-            if item.spec_token_ids and self.acceptance is not None:
-                accepted = self.acceptance.num_accepted(
-                    item.spec_token_ids, lambda j, r=req, f=first: self.stream_token(r, f + j)
-                )
-            tokens = self.stream_tokens(req, first, accepted + 1)
+            if drafts and acceptance is not None:
+                if drafted:  # placeholders: only their number matters
+                    accepted = acceptance.num_drawn(len(drafts))
+                else:
+                    accepted = acceptance.num_accepted(
+                        drafts, lambda j, r=req, f=first: self.stream_token(r, f + j)
+                    )
+            tokens = stream_tokens(req, first, accepted + 1)
             logprobs = [[(t, 0.0)] for t in tokens] if req.sampling.logprobs is not None else None
             sampled[req.request_id] = (tokens, logprobs)
         return sampled

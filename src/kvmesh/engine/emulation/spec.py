@@ -48,12 +48,14 @@ class EmulatedDrafter(Proposer):
     """MTP / EAGLE / draft model without weights: k placeholder drafts per request, the output
     stream's next tokens (the runner's acceptance decides what they were worth)."""
 
-    def __init__(self, stream: Callable[[Request, int], int]) -> None:
-        self.stream = stream  # (request, output index) -> the emulated output token there
+    def __init__(self, stream: Callable[[Request, int, int], list[int]]) -> None:
+        # (request, first output index, count) -> the emulated output tokens there
+        self.stream = stream
 
     def propose(self, requests: list[Request], limits: list[int]) -> list[list[int]]:
+        stream = self.stream
         return [
-            [self.stream(r, r.num_output_tokens + j) for j in range(limit)]
+            stream(r, len(r.output_token_ids), limit)
             for r, limit in zip(requests, limits, strict=True)
         ]
 
@@ -73,10 +75,16 @@ class Acceptance:
             while accepted < len(drafts) and drafts[accepted] == stream(accepted):
                 accepted += 1
             return accepted
+        return self.num_drawn(len(drafts))
+
+    def num_drawn(self, num_drafts: int) -> int:
+        """A model drafter's accepted prefix of num_drafts drafts: position by position, one
+        draw each until the first rejection."""
+        rates, draw = self.rates, self.rng.random
+        last = len(rates) - 1
         accepted = 0
-        while accepted < len(drafts):
-            rate = self.rates[min(accepted, len(self.rates) - 1)]
-            if self.rng.random() >= rate:
+        while accepted < num_drafts:
+            if draw() >= rates[accepted if accepted < last else last]:
                 break
             accepted += 1
         return accepted
