@@ -125,3 +125,27 @@ def test_cli_ablation_needs_one_agent_count(capsys) -> None:
     assert main(argv) == 2
     assert main([*argv, "--agents", "2,4"]) == 2
     assert "--ablation" in capsys.readouterr().err
+
+
+def test_cli_ablation_rows_in_parallel_processes_match_rows_run_in_turn(tmp_path, capsys) -> None:
+    from kvmesh.cli import main
+
+    argv = ["sim", "--workload", "agentic", "--agents", "6", "--duration", "4", "--layout"]
+    argv += ["dp8", "--gpus", "16", "--emulate-gpu", "h200", "--no-ceiling", "--ablation"]
+    argv += ["--serve-args", "--block-size 64 --kv-offloading-size 8", "--speculative-config", MTP]
+    argv += ["--policies", "kvmesh", "--gpu-hour-price", "3"]
+    results = {}
+    for jobs in (1, 2):
+        out = tmp_path / f"jobs{jobs}.json"
+        assert main([*argv, "--jobs", str(jobs), "--output", str(out)]) == 0
+        results[jobs] = json.loads(out.read_text())
+    err = capsys.readouterr().err
+    assert "5 runs in 2 processes" in err and "MTP done (" in err
+    wall = {"sim_wall_s", "wall_s_per_sim_min", "peak_rss_mb"}
+    for one, two in zip(results[1]["rows"], results[2]["rows"], strict=True):
+        assert one["name"] == two["name"] and one["cost"] == two["cost"]
+        if one["summary"] is None:
+            assert two["summary"] is None
+            continue
+        same = {k: v for k, v in one["summary"].items() if k not in wall}
+        assert same == {k: v for k, v in two["summary"].items() if k not in wall}

@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvmesh.sim.ablation import TP_REPLICA, Variant, prefill_share, variants
+from kvmesh.sim.ablation_jobs import default_jobs, in_order
 from kvmesh.sim.cost import FleetCost, api_comparison, fleet_cost, format_cost_table, plot_cost
 from kvmesh.sim.cost import load_price_table as price_table
 from kvmesh.sim.fleet import FleetSimConfig
@@ -86,7 +87,6 @@ def row_text(v: Variant, s: dict | None, full: dict | None, cost: FleetCost | No
 
 
 def main(args: argparse.Namespace, config: FleetSimConfig, specs: list[str], agents) -> int:
-    from kvmesh.sim.agents_cli import run_agents
     from kvmesh.sim.fleet_args import engine_flags
 
     usd, price_from = gpu_price(args.gpu_hour_price, config.emulation.emulate_gpu)
@@ -104,16 +104,24 @@ def main(args: argparse.Namespace, config: FleetSimConfig, specs: list[str], age
                      "gpu_hour_usd": usd, "rows": []}  # fmt: skip
     full: dict | None = None
     full_cost: FleetCost | None = None
-    for v in rows:
-        summary = cost = None
+    fleets: list[FleetSimConfig | None] = []
+    for k, v in enumerate(rows):
         cfg = None
         if not v.skipped:
             try:
                 cfg = fleet_of(v, config, gpus)
             except ValueError as exc:  # e.g. no TP replica of the model fits these GPUs
-                v = replace(v, skipped=str(exc))
+                rows[k] = replace(v, skipped=str(exc))
+        fleets.append(cfg)
+    runs = [k for k, cfg in enumerate(fleets) if cfg is not None]
+    jobs = args.jobs if args.jobs is not None else default_jobs(len(runs))
+    ceiling = not args.no_ceiling
+    calls = [(fleets[k], rows[k].policy, agents, ceiling, jobs <= 1) for k in runs]
+    summaries = in_order(run_row, calls, [rows[k].name.strip() for k in runs], jobs)
+    for v, cfg in zip(rows, fleets, strict=True):
+        summary = cost = None
         if cfg is not None:
-            _, summary = run_agents(cfg, v.policy, agents, not args.no_ceiling)
+            summary = next(summaries)[1]
             cost = run_cost(cfg, summary, usd)
             if full is None:
                 full, full_cost = summary, cost
@@ -148,6 +156,13 @@ def main(args: argparse.Namespace, config: FleetSimConfig, specs: list[str], age
             written.append(str(plot_cost(full_cost, comparisons, stem + "-cost.png")))
         print("wrote " + ", ".join(written))
     return 0
+
+
+def run_row(config: FleetSimConfig, policy: str, agents, ceiling: bool, progress_bar: bool) -> dict:
+    """One row's run (in a process of its own when rows run in parallel): its summary."""
+    from kvmesh.sim.agents_cli import run_agents
+
+    return run_agents(config, policy, agents, ceiling, progress_bar)[1]
 
 
 def fleet_of(v: Variant, config: FleetSimConfig, gpus: int) -> FleetSimConfig:

@@ -81,9 +81,14 @@ def agent_config(args: argparse.Namespace, agents: int | None = None) -> AgentCo
 
 
 def run_agents(
-    config: FleetSimConfig, spec: str, agents: AgentConfig, ceiling: bool = True
+    config: FleetSimConfig,
+    spec: str,
+    agents: AgentConfig,
+    ceiling: bool = True,
+    progress_bar: bool = True,
 ) -> tuple[str, dict]:
-    """One policy (a preset name or a YAML file) over the closed loop: (label, summary)."""
+    """One policy (a preset name or a YAML file) over the closed loop: (label, summary); a
+    progress bar on stderr when it is a terminal (unless progress_bar is False)."""
     from kvmesh.engine.tokenizer import load_tokenizer
 
     name = policy = spec
@@ -91,7 +96,7 @@ def run_agents(
         policy, name = Path(spec).read_text(), Path(spec).stem
     config = replace(config, measure_known=False)  # the loop reports no "lost to routing"
     tokenizer = load_tokenizer(config.engine.model)[0]
-    show = sys.stderr.isatty()  # simulated seconds done, against wall time
+    show = progress_bar and sys.stderr.isatty()  # simulated seconds done, against wall time
     with collector_off():
         sim = FleetSim(config, policy, tokenizer)
         loop = ClosedLoop(sim, agents)

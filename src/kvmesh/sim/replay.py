@@ -113,7 +113,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="Seed of the pickers' tie-breaks and of a generated workload [default: 0].",
     )
     p.add_argument(
-        "--jobs", type=int, default=1, help="Policies replayed at once, one process each [1]."
+        "--jobs",
+        type=int,
+        default=None,
+        help="Policies replayed (or --ablation rows run) at once, one process each "
+        "[policies: 1; --ablation: one per core].",
     )
     p.add_argument(
         "--output", default="", help="Write the results as JSON here, and a PNG beside it."
@@ -216,7 +220,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"{what}, {config.describe()}; hit-rate ceiling {ceiling:.3f}")
     results: dict = {"ceiling": round(ceiling, 4), "policies": {}}
     runs: dict[str, list[SimRecord]] = {}
-    if args.jobs > 1 and len(specs) > 1:
+    if (args.jobs or 1) > 1 and len(specs) > 1:
         from concurrent.futures import ProcessPoolExecutor
 
         with ProcessPoolExecutor(min(args.jobs, len(specs))) as pool:
