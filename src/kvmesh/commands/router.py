@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import errno
 import sys
 
@@ -106,6 +107,10 @@ ROUTER_HELP = {
     "see docs/envoy-ext-proc.yaml and docs/envoy-ext-proc-streamed.yaml. 0: any free port.",
     "ext_proc_fail_open": "ext_proc: when no endpoint can be picked, let Envoy route by its own "
     "configuration instead of answering 503.",
+    "shutdown_timeout": "On SIGTERM or SIGINT, seconds the answers in progress (and the ext_proc "
+    "streams Envoy holds open for them) get to finish, while new requests get 503 and new "
+    "ext_proc streams an immediate 503; then the router exits (a second signal: at once). "
+    "0: stop at once.",
     "api_key": "Key clients must send as `Authorization: Bearer <key>` on /v1/* (default: env "
     "VLLM_API_KEY; unset: none). /health and /metrics stay open.",
     "endpoint_api_key": "Key sent to the engines (their --api-key) in place of the client's "
@@ -141,6 +146,25 @@ async def start_router_from(config, host: str, port: int, tokenizer=None):
         tokenizer, _ = load_tokenizer(config.tokenizer)
     router = Router(config, tokenizer)
     return router, await start_router(router, host, port)
+
+
+async def drain(runner, ext_proc, timeout: float) -> None:
+    """Graceful shutdown: the HTTP listener and the ext_proc server refuse new work while what
+    is in progress finishes, for at most timeout seconds or until a second signal."""
+    if timeout <= 0:
+        return
+    waits = [runner.drain(timeout)]
+    if ext_proc is not None:
+        waits.append(ext_proc.drain(timeout))
+    done = asyncio.ensure_future(asyncio.gather(*waits))
+    await asyncio.sleep(0)  # both refuse new work from here on
+    print(f"kvmesh router: draining (up to {timeout:g} s)", file=sys.stderr, flush=True)
+    again = asyncio.ensure_future(wait_for_shutdown())
+    await asyncio.wait([done, again], return_when=asyncio.FIRST_COMPLETED)
+    again.cancel()
+    if not done.done() or not all(done.result()):
+        done.cancel()
+        print("kvmesh router: requests still in progress cut", file=sys.stderr, flush=True)
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -205,9 +229,10 @@ def cmd_router(args: argparse.Namespace) -> int:
         )
         try:
             await wait_for_shutdown()
+            await drain(runner, ext_proc, config.shutdown_timeout)
         finally:
             if ext_proc is not None:
-                await ext_proc.stop(1.0)
+                await ext_proc.stop(0)
             await runner.cleanup()
 
     from kvmesh.engine.server import run

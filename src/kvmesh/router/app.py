@@ -31,6 +31,7 @@ from kvmesh.router.request_parser import RequestParser
 from kvmesh.router.upstream_pool import Link
 
 decisions = logging.getLogger("kvmesh.router.decisions")
+SHUTTING_DOWN = "The router is shutting down; retry the request."
 
 
 class Router:
@@ -93,6 +94,9 @@ class Router:
         self.warm_until = 0.0  # monotonic: requests wait for the index until then (0: never)
         self.links: dict[str, Link] = {}
         self._settling = False  # a settle() is due on the loop
+        # shutting down: requests in progress finish, new ones are answered 503 (/metrics
+        # still answers, so a liveness probe does not restart a router that drains)
+        self.draining = False
 
     def settle_soon(self) -> None:
         """Once the loop has run what is ready: apply the bookkeeping that the requests just
@@ -204,6 +208,9 @@ class Router:
         self.parser.close()
 
     def handle(self, door: FrontDoor, request: Request) -> handlers.Work | None:
+        if self.draining and request.path != "/metrics":
+            door.must_close = True  # the client reconnects, to a router that serves
+            return door.respond_error(503, SHUTTING_DOWN, "Retry-After: 1\r\n")
         return handlers.handle(self, door, request)  # the front door's Handler
 
     def key_refused(self, path: str, headers: dict[str, str]) -> bool:

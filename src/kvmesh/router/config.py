@@ -66,6 +66,9 @@ class RouterConfig:
     # (fail open) instead of answering 503 (fail closed)
     ext_proc_port: int | None = None
     ext_proc_fail_open: bool = False
+    # on SIGTERM: seconds the answers and ext_proc streams in progress get to finish while new
+    # requests are refused (503); 0: stop at once
+    shutdown_timeout: float = 30.0
     # Bearer keys, never in repr or logs: the one clients must send on /v1/* (unset: none);
     # the one sent to endpoints in place of the client's Authorization (unset: api_key; with
     # neither, the client's header passes through)
@@ -108,6 +111,8 @@ class RouterConfig:
             raise ValueError("--endpoints-file and Kubernetes discovery cannot both own the pool")
         if not 0 < self.k8s_target_port < 65536:
             raise ValueError(f"--k8s-target-port must be a port, got {self.k8s_target_port}")
+        if self.shutdown_timeout < 0:
+            raise ValueError("--shutdown-timeout must be 0 (stop at once) or positive")
         if self.ext_proc_port is not None and not 0 <= self.ext_proc_port < 65536:
             raise ValueError(f"--ext-proc-port must be a port number, got {self.ext_proc_port}")
 

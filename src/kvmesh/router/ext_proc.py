@@ -44,6 +44,7 @@ from google.protobuf.struct_pb2 import Struct
 
 from kvmesh.protocol.auth import CHALLENGE_LINE, UNAUTHORIZED
 from kvmesh.router import handlers
+from kvmesh.router.app import SHUTTING_DOWN
 from kvmesh.router.ext_proc_messages import (
     FULL_DUPLEX_STREAMED,
     Refusal,
@@ -67,7 +68,6 @@ METADATA_NAMESPACE = "envoy.lb"
 DP_RANK_HEADER = "x-data-parallel-rank"  # as router.upstream_pool sends it
 ENDPOINT_HEADER = "x-kvmesh-endpoint"  # on answers: the endpoint that served (as the proxy's)
 ADDRESS_TTL = 30.0  # seconds a resolved endpoint host is reused (ORIGINAL_DST wants an IP)
-SHUTTING_DOWN = "The router is shutting down; retry the request."
 
 
 class EndpointPicker(ExternalProcessorServicer):
@@ -87,9 +87,10 @@ class EndpointPicker(ExternalProcessorServicer):
         """One HTTP request's stream: answers in the order of Envoy's messages (streamed bodies
         may hold some back until the body is whole); an immediate response ends it. Whatever
         load was charged is released when the stream ends."""
-        if self.draining:
-            yield immediate(503, SHUTTING_DOWN, "Retry-After: 1\r\n")
-            return
+        if self.draining:  # answered once Envoy has said what it sends (its first message)
+            async for _ in requests:
+                yield immediate(503, SHUTTING_DOWN, "Retry-After: 1\r\n")
+                return
         stream = _Stream(self)
         self.open_streams += 1
         self._idle.clear()

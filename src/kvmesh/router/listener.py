@@ -4,6 +4,7 @@ whose requests go to router.handle; a sweeper closes connections left idle."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -14,7 +15,9 @@ from kvmesh.router.frontdoor import FrontDoor, Request
 
 class Routes(Protocol):
     """What the listener serves (router.app.Router is the one). It may also offer the front
-    door's Gate as ``continue_gate``."""
+    door's Gate as ``continue_gate``. While ``draining`` it answers every request 503."""
+
+    draining: bool
 
     def handle(self, door: FrontDoor, request: Request) -> Coroutine[Any, Any, None] | None:
         """The front door's Handler."""
@@ -29,6 +32,24 @@ class RouterServer:
     server: asyncio.AbstractServer
     doors: set[FrontDoor]
     sweeper: asyncio.Task | None = None
+
+    async def drain(self, timeout: float, poll: float = 0.05) -> bool:
+        """Stop taking requests: each new one is answered 503 and its connection closed (the
+        router's ``draining``), idle keep-alive connections are closed now and busy ones once
+        their answer is sent. Waits at most timeout seconds for those answers; whether they
+        all finished."""
+        self.router.draining = True
+        for door in list(self.doors):
+            if door.task is None and door.transport is not None:
+                door.transport.close()
+            else:
+                door.must_close = True
+        deadline = time.monotonic() + timeout
+        while any(door.task is not None for door in self.doors):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(poll)
+        return True
 
     async def cleanup(self) -> None:
         self.server.close()
