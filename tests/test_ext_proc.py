@@ -30,7 +30,8 @@ from envoy.service.ext_proc.v3.external_processor_pb2_grpc import (  # noqa: E40
 from kvmesh.bench.router_procs import envoy_binary  # noqa: E402
 from kvmesh.router.app import Router, RouterConfig, start_router  # noqa: E402
 from kvmesh.router.envoy_config import envoy_config  # noqa: E402
-from kvmesh.router.ext_proc import DESTINATION, METADATA_NAMESPACE, serve_ext_proc  # noqa: E402
+from kvmesh.router.ext_proc import DESTINATION, METADATA_NAMESPACE  # noqa: E402
+from kvmesh.router.ext_proc_server import serve_ext_proc  # noqa: E402
 from tests.conftest import emulated_fleet  # noqa: E402
 from tests.helpers import free_port, http, loop_thread  # noqa: E402
 

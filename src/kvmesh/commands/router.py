@@ -216,7 +216,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         healthy = sum(1 for e in endpoints if e.healthy)
         ext_proc, also = None, ""
         if config.ext_proc_port is not None:  # Envoy's endpoint picker, beside the HTTP proxy
-            from kvmesh.router.ext_proc import serve_ext_proc
+            from kvmesh.router.ext_proc_server import serve_ext_proc
 
             ext_port, fail_open = config.ext_proc_port, config.ext_proc_fail_open
             ext_proc, bound = await serve_ext_proc(router, args.host, ext_port, fail_open)
