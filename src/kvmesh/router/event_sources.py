@@ -1,12 +1,14 @@
 """Where an endpoint's KV events come from, as the router reaches them: the publisher's address
 as configured or as the engine's /kv_event_sources lists it (per data-parallel rank), and where
-the router's SUB socket goes for it."""
+the router's SUB socket goes for it: connected to a publisher that binds, bound where one that
+connects sends (SubscriptionBinds), which only one socket on a host, and so one router, can."""
 
 from __future__ import annotations
 
 import asyncio
 
 import aiohttp
+import zmq
 
 from kvmesh.protocol.zmq_events import offset_endpoint, publisher_binds
 from kvmesh.router.endpoints import Endpoint
@@ -62,3 +64,55 @@ async def discover(session: aiohttp.ClientSession, e: Endpoint) -> tuple[str, st
     replay = cfg.get("replay_endpoint")
     replay = replay.replace("*", e.host) if replay else None
     return subscribe_address(cfg["endpoint"], e.host), replay, cfg.get("topic", "")
+
+
+class SubscriptionRefused(Exception):
+    """The router cannot take an endpoint's KV events: the address its publisher connects to
+    cannot be bound here. Its subscription is retried; the router is not ready meanwhile."""
+
+
+class SubscriptionBinds:
+    """The addresses this router's SUB sockets bind, each for one endpoint. A publisher that
+    connects reaches one bound socket: a second endpoint on the same address would mix two
+    publishers' sequences in one feed, and a second router (a replica on the same host) cannot
+    bind it at all. Both are refused with the reason, never left to serve an empty index."""
+
+    def __init__(self) -> None:
+        self.owners: dict[str, str] = {}  # bound address -> the endpoint whose events it takes
+
+    def attach(self, sock: zmq.Socket, name: str, sub_ep: str) -> None:
+        """Connect sock to a binding publisher, or bind it where a connecting one sends;
+        raises SubscriptionRefused when the address is taken or not this host's."""
+        if not sub_ep.startswith("bind:"):
+            sock.connect(sub_ep)
+            return
+        address = sub_ep.removeprefix("bind:")
+        owner = self.owners.get(address)
+        if owner is not None and owner != name:
+            raise SubscriptionRefused(
+                f"{address} is bound already for the KV events of {owner}; publishers that "
+                "connect must each name their own address (or bind, as tcp://*:PORT)"
+            )
+        try:
+            sock.bind(address)
+        except zmq.ZMQError as exc:
+            raise SubscriptionRefused(bind_failure(address, exc)) from None
+        self.owners[address] = name
+
+    def release(self, name: str) -> None:
+        for address in [a for a, owner in self.owners.items() if owner == name]:
+            del self.owners[address]
+
+
+def bind_failure(address: str, exc: zmq.ZMQError) -> str:
+    """Why the router cannot bind a connecting publisher's address, and what to do about it."""
+    if exc.errno == zmq.EADDRINUSE:
+        return (
+            f"cannot bind {address}: address already in use (another router replica?); a "
+            "publisher that connects reaches one router only: for several router replicas, "
+            "let the engines bind (--kv-events-config endpoint tcp://*:PORT)"
+        )
+    return (
+        f"cannot bind {address} ({exc.strerror}): not an address of this host; give the "
+        "router the address to bind, as bind:tcp://*:PORT"
+    )

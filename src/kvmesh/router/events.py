@@ -4,7 +4,8 @@ subscription started again) the buffered history is replayed; a sequence gap, or
 that may hide a lost last batch, is repaired from it; a publisher whose sequence began again (its
 engine restarted) has the endpoint's entries cleared, as AllBlocksCleared would, then replayed.
 BlockStored events keyed in another block size than the router's never reach the index
-(router.block_size). Where each endpoint's publisher is: router.event_sources."""
+(router.block_size). Where each endpoint's publisher is, and which subscriptions this router
+cannot take (``refused``: the router is not ready while any is): router.event_sources."""
 
 from __future__ import annotations
 
@@ -22,12 +23,13 @@ import zmq.asyncio
 from kvmesh.protocol.kv_events import BlockStored, KVEventBatch, decode_batch
 from kvmesh.protocol.zmq_events import END_SEQ
 from kvmesh.router.endpoints import Endpoint
-from kvmesh.router.event_sources import discover
+from kvmesh.router.event_sources import SubscriptionBinds, SubscriptionRefused, discover
 
 logger = logging.getLogger(__name__)
 REPLAY_WAIT = 2.0  # seconds a replay socket may stay silent before the replay is given up
 RETRY_AFTER = 1.0  # after a replay was given up, live batches are applied as they come this long
 RECENT = 4096  # the last batches of a replay remembered, to know their live copies
+REBIND_AFTER = 2.0  # seconds between tries to bind a refused subscription's address
 
 
 @dataclass(slots=True)
@@ -66,6 +68,8 @@ class EventIngest:
         self.batches = 0
         self.gaps_repaired = 0
         self.restarts = 0
+        self.binds = SubscriptionBinds()
+        self.refused: dict[str, str] = {}  # endpoint -> why its events cannot be taken now
 
     def watch(self, endpoint: Endpoint) -> None:
         if endpoint.kv_events and endpoint.name not in self.tasks:
@@ -73,15 +77,22 @@ class EventIngest:
             self.tasks[endpoint.name] = asyncio.create_task(self._run(endpoint))
             if self.metrics is not None:
                 self.metrics.kv_index_warm.labels(endpoint.name).set(0)
+                self.metrics.kv_events_refused.labels(endpoint.name).set(0)
 
     def forget(self, name: str) -> None:
         task = self.tasks.pop(name, None)
         if task is not None:
             task.cancel()
         self.feeds.pop(name, None)
+        self.refused.pop(name, None)
+        self.binds.release(name)
         self.index.remove_endpoint(name)
         if self.metrics is not None:
-            for gauge in (self.metrics.kv_index_warm, self.metrics.kv_index_warm_seconds):
+            for gauge in (
+                self.metrics.kv_index_warm,
+                self.metrics.kv_index_warm_seconds,
+                self.metrics.kv_events_refused,
+            ):
                 with contextlib.suppress(KeyError):
                     gauge.remove(name)
 
@@ -110,6 +121,9 @@ class EventIngest:
                 await self._follow(e)
             except asyncio.CancelledError:
                 raise
+            except SubscriptionRefused as exc:  # logged once per reason, retried quietly
+                self._set_refused(e.name, str(exc))
+                await asyncio.sleep(REBIND_AFTER)
             except Exception as exc:  # a bad address, a socket error: never silently gone
                 logger.warning("KV events of %s: %s; retrying in 1 s", e.name, exc)
                 await asyncio.sleep(1.0)
@@ -123,13 +137,11 @@ class EventIngest:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)  # nothing dropped while a replay is read
         sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
-        # a publisher that binds is connected to; one that connects needs us to bind
-        if sub_ep.startswith("bind:"):
-            sock.bind(sub_ep.removeprefix("bind:"))
-        else:
-            sock.connect(sub_ep)
         wait_ms = int(self.check_interval * 1000)
         try:
+            # a publisher that binds is connected to; one that connects needs us to bind
+            self.binds.attach(sock, e.name, sub_ep)
+            self._set_refused(e.name, None)
             if replay_ep:
                 await self._sync(e, feed, replay_ep, "start" if feed.last is None else "reconnect")
             else:  # no history to be had: warm from here
@@ -148,6 +160,7 @@ class EventIngest:
                 else:
                     await self._out_of_order(e, feed, replay_ep, seq, frames[-1])
         finally:
+            self.binds.release(e.name)
             sock.close()
 
     async def _out_of_order(
@@ -287,6 +300,18 @@ class EventIngest:
         if self.metrics is not None:
             self.metrics.kv_event_replays.labels(name, reason).inc()
             self.metrics.kv_event_replayed_batches.labels(name).inc(batches)
+
+    def _set_refused(self, name: str, why: str | None) -> None:
+        """Record whether the endpoint's subscription is refused (None: taken)."""
+        if self.refused.get(name) == why:
+            return
+        if why is not None:
+            logger.error("KV events of %s: %s; the router is not ready until it binds", name, why)
+            self.refused[name] = why
+        elif self.refused.pop(name, None) is not None:
+            logger.warning("KV events of %s: subscribed, the router is ready again", name)
+        if self.metrics is not None:
+            self.metrics.kv_events_refused.labels(name).set(0 if why is None else 1)
 
     def _set_warm(self, name: str, feed: _Feed, warm: bool) -> None:
         if feed.warm == warm:

@@ -54,10 +54,20 @@ def handle(router: RouterState, door: Door, request: Request) -> Work | None:
     if method != "GET" or path not in ("/v1/models", "/health", "/metrics"):
         return door.respond_error(404, f"No route for {method} {path}.")
     if path == "/health":
-        return door.respond(200 if router.pool.candidates() else 503, b"", "text/plain")
+        return health(router, door)
     if path == "/metrics":
         return door.respond(200, router.render_metrics(), "text/plain; version=0.0.4")
     return _models(router, door, request)
+
+
+def health(router: RouterState, door: Door) -> None:
+    """Readiness: 503 while no endpoint is in rotation, or while a KV event subscription is
+    refused (its index would stay empty unseen), with the reason as the body."""
+    refused = router.events.refused if router.events is not None else {}
+    if refused:
+        reasons = "".join(f"KV events of {name}: {why}\n" for name, why in sorted(refused.items()))
+        return door.respond(503, reasons.encode(), "text/plain")
+    return door.respond(200 if router.pool.candidates() else 503, b"", "text/plain")
 
 
 async def _models(router: RouterState, door: Door, request: Request) -> None:

@@ -184,6 +184,14 @@ class RouterMetrics:
             ["endpoint"],
             registry=r,
         )
+        self.kv_events_refused = Gauge(
+            "kvmesh_router_kv_events_refused",
+            "1 while the router cannot take the endpoint's KV events: the address its publisher "
+            "connects to cannot be bound here (held by another process, such as a second router "
+            "replica, or by another endpoint, or not this host's); /health answers 503 meanwhile.",
+            ["endpoint"],
+            registry=r,
+        )
         self.kv_events_dropped = Counter(
             "kvmesh_router_kv_events_dropped",
             "KV events left out of the precise index, by reason: block_size (a BlockStored "

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from kvmesh.router.approx_index import ApproximateIndex
     from kvmesh.router.config import RouterConfig
     from kvmesh.router.endpoints import Endpoint, EndpointPool
+    from kvmesh.router.events import EventIngest
     from kvmesh.router.index import PreciseIndex
     from kvmesh.router.metrics import RouterMetrics
     from kvmesh.router.peer_source import PeerSourceConfig
@@ -49,6 +50,7 @@ class RouterState(Protocol):
     peer_sources: PeerSourceConfig | None  # None: endpoints pull no prefix from peers
     session: aiohttp.ClientSession | None  # set once started (P/D's prefill leg uses it)
     warm_until: float  # monotonic: requests wait for the index until then (0: never)
+    events: EventIngest | None  # the KV event subscriptions, once started
 
     def link(self, e: Endpoint) -> Link:
         """How the router reaches e: its connection pool, header lines and watchdog."""
