@@ -42,7 +42,7 @@ async def test_second_subscriber_on_a_connect_address_is_refused_until_it_is_fre
         attempts = []
         attach = second.binds.attach
         second.binds.attach = lambda *args: (attempts.append(args), attach(*args))
-        with caplog.at_level(logging.ERROR, logger="kvmesh.router.events"):
+        with caplog.at_level(logging.ERROR, logger="kvmesh.router"):
             second.watch(Endpoint("http://127.0.0.1:9", "engine-0", kv_events=address))
             await until(lambda: len(attempts) >= 4)  # retried, each failure logged once only
         assert "address already in use" in second.refused["engine-0"]

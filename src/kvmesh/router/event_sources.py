@@ -6,12 +6,15 @@ connects sends (SubscriptionBinds), which only one socket on a host, and so one 
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import aiohttp
 import zmq
 
 from kvmesh.protocol.zmq_events import offset_endpoint, publisher_binds
 from kvmesh.router.endpoints import Endpoint
+
+logger = logging.getLogger(__name__)
 
 
 def _rank_source(sources: dict, rank: int | None) -> dict | None:
@@ -79,6 +82,7 @@ class SubscriptionBinds:
 
     def __init__(self) -> None:
         self.owners: dict[str, str] = {}  # bound address -> the endpoint whose events it takes
+        self.refused: dict[str, str] = {}  # endpoint -> why its events cannot be taken now
 
     def attach(self, sock: zmq.Socket, name: str, sub_ep: str) -> None:
         """Connect sock to a binding publisher, or bind it where a connecting one sends;
@@ -99,9 +103,25 @@ class SubscriptionBinds:
             raise SubscriptionRefused(bind_failure(address, exc)) from None
         self.owners[address] = name
 
-    def release(self, name: str) -> None:
+    def release(self, name: str, forget: bool = False) -> None:
+        """The endpoint's socket is closed: its address is free (and, forgotten, its refusal)."""
         for address in [a for a, owner in self.owners.items() if owner == name]:
             del self.owners[address]
+        if forget:
+            self.refused.pop(name, None)
+
+    def note(self, name: str, why: str | None) -> bool:
+        """Record whether the endpoint's subscription is refused (why) or taken (None); logs
+        and says True when that changed, so that a refusal retried is reported once."""
+        if self.refused.get(name) == why:
+            return False
+        if why is not None:
+            logger.error("KV events of %s: %s; the router is not ready until it binds", name, why)
+            self.refused[name] = why
+        else:
+            del self.refused[name]
+            logger.warning("KV events of %s: subscribed; the router is ready again", name)
+        return True
 
 
 def bind_failure(address: str, exc: zmq.ZMQError) -> str:

@@ -69,7 +69,7 @@ class EventIngest:
         self.gaps_repaired = 0
         self.restarts = 0
         self.binds = SubscriptionBinds()
-        self.refused: dict[str, str] = {}  # endpoint -> why its events cannot be taken now
+        self.refused = self.binds.refused  # endpoint -> why its events cannot be taken now
 
     def watch(self, endpoint: Endpoint) -> None:
         if endpoint.kv_events and endpoint.name not in self.tasks:
@@ -84,15 +84,11 @@ class EventIngest:
         if task is not None:
             task.cancel()
         self.feeds.pop(name, None)
-        self.refused.pop(name, None)
-        self.binds.release(name)
+        self.binds.release(name, forget=True)
         self.index.remove_endpoint(name)
         if self.metrics is not None:
-            for gauge in (
-                self.metrics.kv_index_warm,
-                self.metrics.kv_index_warm_seconds,
-                self.metrics.kv_events_refused,
-            ):
+            m = self.metrics
+            for gauge in (m.kv_index_warm, m.kv_index_warm_seconds, m.kv_events_refused):
                 with contextlib.suppress(KeyError):
                     gauge.remove(name)
 
@@ -303,14 +299,7 @@ class EventIngest:
 
     def _set_refused(self, name: str, why: str | None) -> None:
         """Record whether the endpoint's subscription is refused (None: taken)."""
-        if self.refused.get(name) == why:
-            return
-        if why is not None:
-            logger.error("KV events of %s: %s; the router is not ready until it binds", name, why)
-            self.refused[name] = why
-        elif self.refused.pop(name, None) is not None:
-            logger.warning("KV events of %s: subscribed, the router is ready again", name)
-        if self.metrics is not None:
+        if self.binds.note(name, why) and self.metrics is not None:
             self.metrics.kv_events_refused.labels(name).set(0 if why is None else 1)
 
     def _set_warm(self, name: str, feed: _Feed, warm: bool) -> None:
