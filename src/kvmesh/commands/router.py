@@ -57,7 +57,9 @@ ROUTER_HELP = {
     "PYTHONHASHSEED as theirs).",
     "kv_events": "Where the router subscribes to each endpoint's KV events: 'auto' asks each "
     "engine's /kv_event_sources; a ZMQ endpoint such as 'tcp://*:5557' (as the engines' "
-    "publisher says it, '*' reached at each endpoint's host); 'none' turns precise indexing off.",
+    "publisher says it, '*' reached at each endpoint's host; a named address, where engines "
+    "connect, is bound by the router: one router per host and address, the others not ready); "
+    "'none' turns precise indexing off.",
     "scrape_interval": "Seconds between /metrics scrapes of each endpoint.",
     "max_retries": "Other endpoints tried when one fails before the first byte.",
     "max_body_bytes": "Largest request body accepted.",
@@ -107,6 +109,12 @@ ROUTER_HELP = {
     "see docs/envoy-ext-proc.yaml and docs/envoy-ext-proc-streamed.yaml. 0: any free port.",
     "ext_proc_fail_open": "ext_proc: when no endpoint can be picked, let Envoy route by its own "
     "configuration instead of answering 503.",
+    "ext_proc_fallback_endpoints": "ext_proc: name this many more endpoints after the chosen "
+    "one, next best first, as the Gateway API Inference Extension's fallbacks "
+    "(x-gateway-destination-endpoint: IP:PORT,IP:PORT,...), which the gateway's retries walk "
+    "in order. Needs a gateway that reads such a list (Envoy's override_host load balancing "
+    "policy: python -m kvmesh.router.envoy_config --endpoint ...); Envoy's ORIGINAL_DST cluster "
+    "takes one address only. 0: the chosen endpoint alone.",
     "shutdown_timeout": "On SIGTERM or SIGINT, seconds the answers in progress (and the ext_proc "
     "streams Envoy holds open for them) get to finish, while new requests get 503 and new "
     "ext_proc streams an immediate 503; then the router exits (a second signal: at once). "
