@@ -8,7 +8,7 @@ set -eu
 UV=${UV:-uv}
 TORCH_SOURCE=${TORCH_SOURCE:-"--extra-index-url https://download.pytorch.org/whl/cpu"}
 here=deploy/image
-# shellcheck disable=SC2086  # TORCH_SOURCE and common are lists of options
+# TORCH_SOURCE and common are lists of options, split on purpose where they are used
 common="--generate-hashes --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
   --no-config --index-url https://pypi.org/simple --custom-compile-command $here/lock.sh"
 # shellcheck disable=SC2086
