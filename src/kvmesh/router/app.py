@@ -231,15 +231,21 @@ class Router:
     ) -> SchedulingRequest:
         return self.parser.scheduling_request(body, path, headers)
 
-    def pick(self, req: SchedulingRequest, exclude: set[str]) -> SchedulingResult | None:
-        # fail open: with no endpoint marked healthy (missed scrapes of busy engines, say) try
-        # them all; a dead one fails before the first byte and the request moves on. Never one
-        # of another block size or model: its prefix keys would be wrong, however healthy it is
-        candidates = self.pool.candidates() or [
-            e
-            for e in self.pool.endpoints.values()
-            if not (e.block_size_mismatch or e.model_mismatch)
-        ]
+    def pick(
+        self, req: SchedulingRequest, exclude: set[str], everywhere: bool = True
+    ) -> SchedulingResult | None:
+        # everywhere: with no endpoint in rotation (missed scrapes of busy engines, say) try
+        # them all; a dead one fails before the first byte and the request moves on (the HTTP
+        # path retries). Never one of another block size or model: its prefix keys would be
+        # wrong, however healthy it is. Without everywhere (the endpoint picker, which cannot
+        # retry) no endpoint in rotation is None: the gateway answers 503
+        candidates = self.pool.candidates()
+        if not candidates and everywhere:
+            candidates = [
+                e
+                for e in self.pool.endpoints.values()
+                if not (e.block_size_mismatch or e.model_mismatch)
+            ]
         if exclude:
             candidates = [e for e in candidates if e.name not in exclude]
         if not candidates:

@@ -66,6 +66,9 @@ class RouterConfig:
     # (fail open) instead of answering 503 (fail closed)
     ext_proc_port: int | None = None
     ext_proc_fail_open: bool = False
+    # endpoints named after the chosen one in x-gateway-destination-endpoint (IP:PORT,IP:PORT),
+    # the Inference Extension's fallbacks, which a gateway's retries walk in order
+    ext_proc_fallback_endpoints: int = 0
     # on SIGTERM: seconds the answers and ext_proc streams in progress get to finish while new
     # requests are refused (503); 0: stop at once
     shutdown_timeout: float = 30.0
@@ -111,6 +114,8 @@ class RouterConfig:
             raise ValueError("--endpoints-file and Kubernetes discovery cannot both own the pool")
         if not 0 < self.k8s_target_port < 65536:
             raise ValueError(f"--k8s-target-port must be a port, got {self.k8s_target_port}")
+        if self.ext_proc_fallback_endpoints < 0:
+            raise ValueError("--ext-proc-fallback-endpoints must be 0 (none) or positive")
         if self.shutdown_timeout < 0:
             raise ValueError("--shutdown-timeout must be 0 (stop at once) or positive")
         if self.ext_proc_port is not None and not 0 <= self.ext_proc_port < 65536:

@@ -20,6 +20,14 @@ BODY_MODES = {"buffered": "BUFFERED", "full-duplex-streamed": "FULL_DUPLEX_STREA
 ROUTE_TIMEOUT = "600s"  # a whole answer, a long completion's included
 IDLE_TIMEOUT = "300s"  # no byte for this long: a stalled or hung engine's answer is cut
 MAX_BODY_BYTES = 32 * 2**20  # the router's --max-body-bytes default
+DESTINATION = "x-gateway-destination-endpoint"
+ROUND_ROBIN = {
+    "name": "envoy.load_balancing_policies.round_robin",
+    "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3"
+        ".RoundRobin"
+    },
+}
 
 HEADER = """\
 # Envoy in front of model servers, with kvmesh as its endpoint picker (ext_proc), as the
@@ -61,9 +69,11 @@ def envoy_config(
     body_mode: str = "buffered",
     stream_responses: bool = False,
     ext_proc_host: str = "127.0.0.1",
+    endpoints: list[str] | None = None,
 ) -> dict[str, Any]:
     """Envoy's bootstrap: a listener on listen_port whose requests the picker on
-    ext_proc_host:ext_proc_port routes."""
+    ext_proc_host:ext_proc_port routes (to any address, or to one of ``endpoints``, IP:PORT,
+    walking the picker's fallbacks on retries)."""
     ext_proc = {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
         "grpc_service": {"envoy_grpc": {"cluster_name": "kvmesh_epp"}},
@@ -73,16 +83,23 @@ def envoy_config(
         # tokenizing a long prompt (and a P/D prefill leg) happens before the answer
         "message_timeout": "30s",
         "processing_mode": processing_mode(body_mode, stream_responses),
-        "metadata_options": {"receiving_namespaces": {"untyped": ["envoy.lb"]}},
+        # the picker's destination in, the endpoint that served (when the cluster reports
+        # it) out
+        "metadata_options": {
+            "receiving_namespaces": {"untyped": ["envoy.lb"]},
+            "forwarding_namespaces": {"untyped": ["envoy.lb"]},
+        },
     }
     route = {
         "cluster": "model_servers",
         "timeout": ROUTE_TIMEOUT,
         "idle_timeout": IDLE_TIMEOUT,
-        # a connection the engine refuses or resets before answering is tried again (Envoy
-        # waits between tries); the picker answers a request it cannot place itself
+        # a connection the engine refuses or resets before answering, or its 503, is tried
+        # again: at the picker's next fallback endpoint where the cluster takes a list
         "retry_policy": {
-            "retry_on": "connect-failure,refused-stream,reset-before-request",
+            "retry_on": "connect-failure,refused-stream,reset-before-request,"
+            "retriable-status-codes",
+            "retriable_status_codes": [503],
             "num_retries": 2,
         },
     }
@@ -126,17 +143,7 @@ def envoy_config(
             }
         ],
     }
-    # the model servers: whatever address the picker names (the Inference Extension's data path)
-    model_servers = {
-        "name": "model_servers",
-        "type": "ORIGINAL_DST",
-        "lb_policy": "CLUSTER_PROVIDED",
-        "connect_timeout": "5s",
-        "original_dst_lb_config": {
-            "use_http_header": True,
-            "http_header_name": "x-gateway-destination-endpoint",
-        },
-    }
+    model_servers = model_servers_cluster(endpoints)
     address = {"socket_address": {"address": ext_proc_host, "port_value": ext_proc_port}}
     epp = {  # kvmesh's ext_proc port (gRPC: HTTP/2)
         "name": "kvmesh_epp",
@@ -157,6 +164,54 @@ def envoy_config(
     return {"static_resources": {"listeners": [listener], "clusters": [model_servers, epp]}}
 
 
+def model_servers_cluster(endpoints: list[str] | None) -> dict[str, Any]:
+    """The model servers. None: whatever address the picker names, one only (an ORIGINAL_DST
+    cluster on the header, the Inference Extension's data path). A list of IP:PORT: those
+    servers, the picker's choice and fallbacks taken in order (Envoy's override_host load
+    balancing policy on the header or the envoy.lb metadata, which also reports the endpoint
+    that served), round robin when the picker names none (--ext-proc-fail-open)."""
+    if not endpoints:
+        return {
+            "name": "model_servers",
+            "type": "ORIGINAL_DST",
+            "lb_policy": "CLUSTER_PROVIDED",
+            "connect_timeout": "5s",
+            "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION},
+        }
+    hosts = []
+    for endpoint in endpoints:
+        host, _, port = endpoint.rpartition(":")
+        address = {"address": host.strip("[]"), "port_value": int(port)}
+        hosts.append({"endpoint": {"address": {"socket_address": address}}})
+    metadata_key = {"key": "envoy.lb", "path": [{"key": DESTINATION}]}
+    override = {
+        "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3"
+        ".OverrideHost",
+        "override_host_sources": [{"header": DESTINATION}, {"metadata": metadata_key}],
+        "selected_host_key": {"key": "envoy.lb", "path": [{"key": f"{DESTINATION}-served"}]},
+        "fallback_policy": {"policies": [{"typed_extension_config": ROUND_ROBIN}]},
+    }
+    return {
+        "name": "model_servers",
+        "type": "STATIC",
+        "connect_timeout": "5s",
+        "load_assignment": {
+            "cluster_name": "model_servers",
+            "endpoints": [{"lb_endpoints": hosts}],
+        },
+        "load_balancing_policy": {
+            "policies": [
+                {
+                    "typed_extension_config": {
+                        "name": "envoy.load_balancing_policies.override_host",
+                        "typed_config": override,
+                    }
+                }
+            ]
+        },
+    }
+
+
 def shipped_file(body_mode: str) -> str:
     return (
         "docs/envoy-ext-proc.yaml"
@@ -170,9 +225,12 @@ def render(
     ext_proc_port: int = 9002,
     body_mode: str = "buffered",
     stream_responses: bool = False,
+    endpoints: list[str] | None = None,
 ) -> str:
     """envoy_config as commented YAML (the shipped files: the defaults, per body mode)."""
-    config = envoy_config(listen_port, ext_proc_port, body_mode, stream_responses)
+    config = envoy_config(
+        listen_port, ext_proc_port, body_mode, stream_responses, endpoints=endpoints
+    )
     header = HEADER.format(
         port=listen_port,
         ext=ext_proc_port,
@@ -193,8 +251,18 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="full-duplex-streamed: stream the answers' bodies through the picker too.",
     )
+    p.add_argument(
+        "--endpoint",
+        action="append",
+        default=None,
+        help="A model server's IP:PORT (repeat): route to these, walking the picker's fallback "
+        "endpoints on retries (default: any address the picker names, one only).",
+    )
     args = p.parse_args(argv)
-    sys.stdout.write(render(args.port, args.ext_proc_port, args.body_mode, args.stream_responses))
+    text = render(
+        args.port, args.ext_proc_port, args.body_mode, args.stream_responses, args.endpoint
+    )
+    sys.stdout.write(text)
     return 0
 
 

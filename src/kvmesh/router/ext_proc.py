@@ -57,10 +57,12 @@ from kvmesh.router.request_reader import Request
 if TYPE_CHECKING:
     from kvmesh.router.app import Router
     from kvmesh.router.endpoints import Endpoint
+    from kvmesh.router.pipeline import SchedulingResult
 
 logger = logging.getLogger(__name__)
 DESTINATION = "x-gateway-destination-endpoint"  # header and metadata key (EPP protocol)
 METADATA_NAMESPACE = "envoy.lb"
+SERVED = "x-gateway-destination-endpoint-served"  # metadata key: the endpoint that served
 DP_RANK_HEADER = "x-data-parallel-rank"  # as router.upstream_pool sends it
 ENDPOINT_HEADER = "x-kvmesh-endpoint"  # on answers: the endpoint that served (as the proxy's)
 ADDRESS_TTL = 30.0  # seconds a resolved endpoint host is reused (ORIGINAL_DST wants an IP)
@@ -133,6 +135,24 @@ class EndpointPicker(ExternalProcessorServicer):
         return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
 
 
+def ranked_after(result: SchedulingResult, chosen: Endpoint) -> list[Endpoint]:
+    """The endpoints the profile that chose ``chosen`` scored, best weighted total first (ties
+    in the candidates' order), ``chosen`` left out: the fallbacks in the order to try them."""
+    for profile in result.profiles.values():
+        if profile.endpoint is chosen:
+            ranked = sorted(range(len(profile.endpoints)), key=lambda i: -profile.total_values[i])
+            return [profile.endpoints[i] for i in ranked if profile.endpoints[i] is not chosen]
+    return []
+
+
+def served_by(message: pb.ProcessingRequest) -> str | None:
+    """The address Envoy reports as the one that served (envoy.lb metadata, forwarded)."""
+    namespace = message.metadata_context.filter_metadata.get(METADATA_NAMESPACE)
+    if namespace is None or SERVED not in namespace.fields:
+        return None
+    return namespace.fields[SERVED].string_value
+
+
 class _Stream:
     """The state of one request's ext_proc stream. Invariant: ``charge`` is the forward's load
     on ``endpoint`` from the destination's sending until end()."""
@@ -145,6 +165,7 @@ class _Stream:
         self.size = 0  # bytes of body received
         self.decided = False  # the request's answer is sent (streamed: the held headers' too)
         self.endpoint: Endpoint | None = None
+        self.named: dict[str, Endpoint] = {}  # the addresses sent (fallbacks too): endpoints
         self.charge: handlers.Charge | None = None
 
     async def answer(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
@@ -167,7 +188,7 @@ class _Stream:
                 return [*await self._complete(kind, trailers=True), passed(kind)]
             return [passed(kind)]
         if kind == "response_headers":
-            return [self._answered(message.response_headers)]
+            return [self._answered(message.response_headers, served_by(message))]
         if kind == "response_body" and self.streamed_response:  # the answer, as it came
             chunk = message.response_body
             return streamed_body(kind, chunk.body, chunk.end_of_stream)
@@ -223,7 +244,7 @@ class _Stream:
             return Verdict(refusal=immediate(*refusal.answer))
         if router.warm_until:  # just started: the engines' KV-event replay is still coming in
             await router.wait_index_warm()
-        result = router.pick(req, set())
+        result = router.pick(req, set(), everywhere=False)  # no retry here: 503 instead
         router.metrics.scheduling.observe(perf_counter() - t0)
         if result is None:
             return self.no_endpoint()
@@ -237,7 +258,8 @@ class _Stream:
         extra = [("x-request-id", req.request_id)]
         if source is not None:
             extra.append((PEER_HEADER, source.address))
-        return await self._destination(e, extra, None if send is body else send)
+        fallbacks = [] if result.prefill is not None else ranked_after(result, e)
+        return await self._destination(e, extra, None if send is body else send, fallbacks)
 
     async def _anywhere(self) -> Verdict:
         """A request that is not scheduled (no body, or no inference route): the least busy
@@ -250,12 +272,26 @@ class _Stream:
         return await self._destination(e, [], None)
 
     async def _destination(
-        self, e: Endpoint, extra: list[tuple[str, str]], body: bytes | None
+        self,
+        e: Endpoint,
+        extra: list[tuple[str, str]],
+        body: bytes | None,
+        fallbacks: list[Endpoint] | None = None,
     ) -> Verdict:
         """The decision that sends the request to e: the header and envoy.lb metadata naming
-        it, e's data-parallel rank, the Authorization endpoints take, and a replaced body; the
-        peer-source and rank headers a client sent are dropped."""
-        address = await self.picker.address(e)
+        it (then up to --ext-proc-fallback-endpoints other addresses of ``fallbacks``, in
+        order), e's data-parallel rank, the Authorization endpoints take, and a replaced body;
+        the peer-source and rank headers a client sent are dropped."""
+        addresses = [await self.picker.address(e)]
+        self.named = {addresses[0]: e}
+        for other in fallbacks or ():
+            if len(addresses) > self.router.config.ext_proc_fallback_endpoints:
+                break
+            named = await self.picker.address(other)
+            if named not in addresses:  # data-parallel ranks share their server's address
+                addresses.append(named)
+                self.named[named] = other
+        address = ",".join(addresses)
         headers = [(DESTINATION, address), *extra]
         if e.dp_rank is not None:
             headers.append((DP_RANK_HEADER, str(e.dp_rank)))
@@ -278,10 +314,21 @@ class _Stream:
         assert refusal.answer is not None
         return Verdict(refusal=immediate(*refusal.answer))
 
-    def _answered(self, http: pb.HttpHeaders) -> pb.ProcessingResponse:
+    def _answered(self, http: pb.HttpHeaders, served: str | None) -> pb.ProcessingResponse:
         """The endpoint's answer head: as the HTTP path's first byte, a 5xx counting towards
-        the endpoint's ejection; the answer names the endpoint that served."""
+        the endpoint's ejection; the answer names the endpoint that served. ``served``: the
+        address Envoy reports serving; a fallback's means the chosen endpoint failed, and the
+        forward's load moves to the fallback."""
         answer = passed("response_headers")
+        fallback = self.named.get(served or "")
+        if fallback is not None and fallback is not self.endpoint and self.endpoint is not None:
+            self.router.metrics.count(self.endpoint.name, "fallback")
+            self.router.pool.request_failed(self.endpoint, "fallback")
+            if self.charge is not None:
+                req = self.charge.req
+                self.charge.release()
+                self.charge = handlers.Charge(self.router, req, fallback, None)
+            self.endpoint = fallback
         e = self.endpoint
         if e is not None:
             named = set_headers([(ENDPOINT_HEADER, e.name)])
