@@ -24,14 +24,10 @@ already open go on and new ones are answered 503.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
-import socket
-import time
 from collections.abc import AsyncIterator
 from time import perf_counter
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -41,6 +37,13 @@ from google.protobuf.struct_pb2 import Struct
 from kvmesh.protocol.auth import CHALLENGE_LINE, UNAUTHORIZED
 from kvmesh.router import handlers
 from kvmesh.router.app import SHUTTING_DOWN
+from kvmesh.router.ext_proc_destination import (
+    DESTINATION,
+    METADATA_NAMESPACE,
+    EndpointAddresses,
+    ranked_after,
+    served_by,
+)
 from kvmesh.router.ext_proc_messages import (
     FULL_DUPLEX_STREAMED,
     Refusal,
@@ -57,15 +60,10 @@ from kvmesh.router.request_reader import Request
 if TYPE_CHECKING:
     from kvmesh.router.app import Router
     from kvmesh.router.endpoints import Endpoint
-    from kvmesh.router.pipeline import SchedulingResult
 
 logger = logging.getLogger(__name__)
-DESTINATION = "x-gateway-destination-endpoint"  # header and metadata key (EPP protocol)
-METADATA_NAMESPACE = "envoy.lb"
-SERVED = "x-gateway-destination-endpoint-served"  # metadata key: the endpoint that served
 DP_RANK_HEADER = "x-data-parallel-rank"  # as router.upstream_pool sends it
 ENDPOINT_HEADER = "x-kvmesh-endpoint"  # on answers: the endpoint that served (as the proxy's)
-ADDRESS_TTL = 30.0  # seconds a resolved endpoint host is reused (ORIGINAL_DST wants an IP)
 
 
 class EndpointPicker(ExternalProcessorServicer):
@@ -73,7 +71,7 @@ class EndpointPicker(ExternalProcessorServicer):
 
     def __init__(self, router: Router, fail_open: bool = False) -> None:
         self.router, self.fail_open = router, fail_open
-        self._addresses: dict[str, tuple[str, float]] = {}  # host -> (IP, expiry)
+        self.address = EndpointAddresses().address
         self.open_streams = 0
         self.draining = False
         self._idle = asyncio.Event()
@@ -117,40 +115,6 @@ class EndpointPicker(ExternalProcessorServicer):
         except TimeoutError:
             return False
         return True
-
-    async def address(self, e: Endpoint) -> str:
-        """e's IP:PORT, as the Inference Extension's header names it (a host name resolved)."""
-        parts = urlsplit(e.url)
-        host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
-        try:
-            ip = ipaddress.ip_address(host)
-        except ValueError:
-            cached = self._addresses.get(host)
-            if cached is None or cached[1] < time.monotonic():
-                loop = asyncio.get_running_loop()
-                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-                cached = (str(infos[0][4][0]), time.monotonic() + ADDRESS_TTL)
-                self._addresses[host] = cached
-            ip = ipaddress.ip_address(cached[0])
-        return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
-
-
-def ranked_after(result: SchedulingResult, chosen: Endpoint) -> list[Endpoint]:
-    """The endpoints the profile that chose ``chosen`` scored, best weighted total first (ties
-    in the candidates' order), ``chosen`` left out: the fallbacks in the order to try them."""
-    for profile in result.profiles.values():
-        if profile.endpoint is chosen:
-            ranked = sorted(range(len(profile.endpoints)), key=lambda i: -profile.total_values[i])
-            return [profile.endpoints[i] for i in ranked if profile.endpoints[i] is not chosen]
-    return []
-
-
-def served_by(message: pb.ProcessingRequest) -> str | None:
-    """The address Envoy reports as the one that served (envoy.lb metadata, forwarded)."""
-    namespace = message.metadata_context.filter_metadata.get(METADATA_NAMESPACE)
-    if namespace is None or SERVED not in namespace.fields:
-        return None
-    return namespace.fields[SERVED].string_value
 
 
 class _Stream:
