@@ -86,7 +86,8 @@ def test_listed_endpoints_take_the_pickers_fallbacks_in_order(tmp_path: Path) ->
     the picker receives that report."""
     config = envoy_config(endpoints=["10.0.0.5:8000", "[fd00::1]:8000"])
     ext_proc, route = _filter_and_route(config)
-    assert ext_proc["metadata_options"]["forwarding_namespaces"] == {"untyped": ["envoy.lb"]}
+    forwarded = ext_proc["metadata_options"]["forwarding_namespaces"]["untyped"]
+    assert "envoy.lb" in forwarded and "envoy.lb.subset_hint" in forwarded
     cluster = config["static_resources"]["clusters"][0]
     hosts = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
     assert [h["endpoint"]["address"]["socket_address"] for h in hosts] == [

@@ -41,6 +41,7 @@ def picker(tokenizer, urls: list[str], fail_open: bool = False, **config):
     """A router (HTTP proxy and ext_proc server) on a loop thread: yields (router, ext_proc
     port, HTTP port)."""
     config.setdefault("scrape_interval", 0.05)
+    config.setdefault("ext_proc_endpoint_header", True)  # the tests read who served
     config.setdefault("kv_events", "auto" if urls else None)
 
     async def start():

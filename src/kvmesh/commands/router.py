@@ -115,6 +115,9 @@ ROUTER_HELP = {
     "in order. Needs a gateway that reads such a list (Envoy's override_host load balancing "
     "policy: python -m kvmesh.router.envoy_config --endpoint ...); Envoy's ORIGINAL_DST cluster "
     "takes one address only. 0: the chosen endpoint alone.",
+    "ext_proc_endpoint_header": "ext_proc: name the endpoint that served in an "
+    "x-kvmesh-endpoint header on each answer (its URL: an internal address, so off by "
+    "default).",
     "shutdown_timeout": "On SIGTERM or SIGINT, seconds the answers in progress (and the ext_proc "
     "streams Envoy holds open for them) get to finish, while new requests get 503 and new "
     "ext_proc streams an immediate 503; then the router exits (a second signal: at once). "

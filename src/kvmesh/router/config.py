@@ -69,6 +69,9 @@ class RouterConfig:
     # endpoints named after the chosen one in x-gateway-destination-endpoint (IP:PORT,IP:PORT),
     # the Inference Extension's fallbacks, which a gateway's retries walk in order
     ext_proc_fallback_endpoints: int = 0
+    # name the endpoint that served in an x-kvmesh-endpoint answer header (an internal address:
+    # off unless asked for)
+    ext_proc_endpoint_header: bool = False
     # on SIGTERM: seconds the answers and ext_proc streams in progress get to finish while new
     # requests are refused (503); 0: stop at once
     shutdown_timeout: float = 30.0

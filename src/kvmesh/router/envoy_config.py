@@ -83,11 +83,11 @@ def envoy_config(
         # tokenizing a long prompt (and a P/D prefill leg) happens before the answer
         "message_timeout": "30s",
         "processing_mode": processing_mode(body_mode, stream_responses),
-        # the picker's destination in, the endpoint that served (when the cluster reports
-        # it) out
+        # the picker's destination in; out, the endpoint that served (when the cluster
+        # reports it) and a gateway's subset hint
         "metadata_options": {
             "receiving_namespaces": {"untyped": ["envoy.lb"]},
-            "forwarding_namespaces": {"untyped": ["envoy.lb"]},
+            "forwarding_namespaces": {"untyped": ["envoy.lb", "envoy.lb.subset_hint"]},
         },
     }
     route = {

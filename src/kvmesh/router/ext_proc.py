@@ -1,51 +1,50 @@
-"""The router as an endpoint picker behind Envoy: Envoy's ext_proc service, answered as the
-Gateway API Inference Extension's EPP answers it (its endpoint picker protocol).
+"""The router as an endpoint picker behind Envoy: one request's ext_proc stream, answered as the
+Gateway API Inference Extension's EPP answers it (its endpoint picker protocol); the gRPC server
+around it is router.ext_proc_server.
 
 Envoy's ext_proc filter streams each request's headers and body here, the body either whole
 (``BUFFERED``) or in chunks as they arrive (``FULL_DUPLEX_STREAMED`` with request trailers
 ``SEND``, the mode the Inference Extension's gateways use; Envoy names its mode in the stream's
 first message). The body is parsed and scheduled exactly as the router's own HTTP path does it
 (router.request_parser, Router.pick, router.handlers' peer source, Charge and error answers,
-router.pd's prefill leg), and the choice goes back as the header
-``x-gateway-destination-endpoint: IP:PORT`` plus the same value in the dynamic metadata
-namespace ``envoy.lb``, which Envoy's ORIGINAL_DST cluster (``use_http_header``) or a subset /
-dynamic-forwarding load balancer routes on. The body goes on as it came unless the P/D leg
-replaced it with one carrying the prefill endpoint's kv_transfer_params; router.ext_proc_messages
-shapes the answers for each mode.
+router.pd's prefill leg), among the endpoints of the gateway's subset hint when it sends one,
+and the choice goes back as the header ``x-gateway-destination-endpoint: IP:PORT`` (then any
+fallback endpoints, comma-separated) plus the same value in the dynamic metadata namespace
+``envoy.lb``, which Envoy's ORIGINAL_DST cluster (``use_http_header``, one address) or its
+override_host load balancing policy routes on. Reserved ``x-gateway-*`` headers a client sent
+are dropped. The body goes on as it came unless the P/D leg replaced it with one carrying the
+prefill endpoint's kv_transfer_params; router.ext_proc_messages shapes the answers for each mode.
 
-No endpoint: fail closed (ImmediateResponse 503, OpenAI error JSON) or, with fail_open, CONTINUE
-with no destination, so Envoy routes by its own configuration. The forward's load is charged
-when the destination is sent and released when Envoy ends the gRPC stream (the HTTP stream is
-over); the response headers, when Envoy sends them, mark the prompt computed and count the
-decision as the HTTP path's first byte does. While the router drains (shutting down), streams
-already open go on and new ones are answered 503.
+No endpoint in rotation: fail closed (ImmediateResponse 503, OpenAI error JSON) or, with
+fail_open, CONTINUE with no destination, so Envoy routes by its own configuration. The forward's
+load is charged when the destination is sent and released when Envoy ends the gRPC stream (the
+HTTP stream is over); the response headers, when Envoy sends them, mark the prompt computed and
+count the decision as the HTTP path's first byte does, on the fallback when Envoy reports one
+served.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable, Callable
 from time import perf_counter
 from typing import TYPE_CHECKING
 
-import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorServicer
 from google.protobuf.struct_pb2 import Struct
 
 from kvmesh.protocol.auth import CHALLENGE_LINE, UNAUTHORIZED
 from kvmesh.router import handlers
-from kvmesh.router.app import SHUTTING_DOWN
 from kvmesh.router.ext_proc_destination import (
     DESTINATION,
     METADATA_NAMESPACE,
-    EndpointAddresses,
+    RESERVED_PREFIX,
+    in_subset,
     ranked_after,
     served_by,
+    subset_hint,
 )
 from kvmesh.router.ext_proc_messages import (
-    FULL_DUPLEX_STREAMED,
     Refusal,
     Verdict,
     immediate,
@@ -66,63 +65,14 @@ DP_RANK_HEADER = "x-data-parallel-rank"  # as router.upstream_pool sends it
 ENDPOINT_HEADER = "x-kvmesh-endpoint"  # on answers: the endpoint that served (as the proxy's)
 
 
-class EndpointPicker(ExternalProcessorServicer):
-    """envoy.service.ext_proc.v3.ExternalProcessor over the router's scheduling pipeline."""
-
-    def __init__(self, router: Router, fail_open: bool = False) -> None:
-        self.router, self.fail_open = router, fail_open
-        self.address = EndpointAddresses().address
-        self.open_streams = 0
-        self.draining = False
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    async def Process(  # noqa: N802  # the gRPC method's name
-        self, requests: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.ProcessingResponse]:
-        """One HTTP request's stream: answers in the order of Envoy's messages (streamed bodies
-        may hold some back until the body is whole); an immediate response ends it. Whatever
-        load was charged is released when the stream ends."""
-        if self.draining:  # answered once Envoy has said what it sends (its first message)
-            async for _ in requests:
-                yield immediate(503, SHUTTING_DOWN, "Retry-After: 1\r\n")
-                return
-        stream = _Stream(self)
-        self.open_streams += 1
-        self._idle.clear()
-        try:
-            async for message in requests:
-                if message.HasField("protocol_config"):
-                    config = message.protocol_config
-                    stream.streamed_request = config.request_body_mode == FULL_DUPLEX_STREAMED
-                    stream.streamed_response = config.response_body_mode == FULL_DUPLEX_STREAMED
-                for answer in await stream.answer(message):
-                    yield answer
-                    if answer.HasField("immediate_response"):
-                        return
-        finally:
-            stream.end()
-            self.open_streams -= 1
-            if not self.open_streams:
-                self._idle.set()
-
-    async def drain(self, timeout: float) -> bool:
-        """Answer new streams 503 from now on; wait (at most timeout seconds) for the open
-        ones to end. Whether they all did."""
-        self.draining = True
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-        except TimeoutError:
-            return False
-        return True
-
-
-class _Stream:
+class RequestStream:
     """The state of one request's ext_proc stream. Invariant: ``charge`` is the forward's load
     on ``endpoint`` from the destination's sending until end()."""
 
-    def __init__(self, picker: EndpointPicker) -> None:
-        self.picker, self.router = picker, picker.router
+    def __init__(
+        self, router: Router, fail_open: bool, address: Callable[[Endpoint], Awaitable[str]]
+    ) -> None:
+        self.router, self.fail_open, self.address = router, fail_open, address
         self.streamed_request = self.streamed_response = False  # FULL_DUPLEX_STREAMED bodies
         self.headers: dict[str, str] = {}
         self.body: list[bytes] = []
@@ -130,12 +80,14 @@ class _Stream:
         self.decided = False  # the request's answer is sent (streamed: the held headers' too)
         self.endpoint: Endpoint | None = None
         self.named: dict[str, Endpoint] = {}  # the addresses sent (fallbacks too): endpoints
+        self.subset: set[str] | None = None  # the gateway's subset hint: pick among these only
         self.charge: handlers.Charge | None = None
 
     async def answer(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         """The answers to one of Envoy's messages (none while a streamed body is incomplete)."""
         kind = message.WhichOneof("request")
         if kind == "request_headers":
+            self.subset = subset_hint(message)
             return await self._request_headers(message.request_headers)
         if kind == "request_body":
             chunk = message.request_body
@@ -208,7 +160,8 @@ class _Stream:
             return Verdict(refusal=immediate(*refusal.answer))
         if router.warm_until:  # just started: the engines' KV-event replay is still coming in
             await router.wait_index_warm()
-        result = router.pick(req, set(), everywhere=False)  # no retry here: 503 instead
+        outside = await self._outside_subset()
+        result = router.pick(req, outside, everywhere=False)  # no retry here: 503 instead
         router.metrics.scheduling.observe(perf_counter() - t0)
         if result is None:
             return self.no_endpoint()
@@ -228,12 +181,20 @@ class _Stream:
     async def _anywhere(self) -> Verdict:
         """A request that is not scheduled (no body, or no inference route): the least busy
         healthy endpoint, no load charged."""
-        candidates = self.router.pool.candidates()
+        outside = await self._outside_subset()
+        candidates = [e for e in self.router.pool.candidates() if e.name not in outside]
         if not candidates:
             return self.no_endpoint()
         e = min(candidates, key=lambda c: c.in_flight + c.waiting)
         self.endpoint = e
         return await self._destination(e, [], None)
+
+    async def _outside_subset(self) -> set[str]:
+        """The endpoints the gateway's subset hint leaves out (none without a hint)."""
+        if self.subset is None:
+            return set()
+        endpoints = self.router.pool.endpoints.values()
+        return {e.name for e in endpoints if not in_subset(await self.address(e), self.subset)}
 
     async def _destination(
         self,
@@ -246,12 +207,12 @@ class _Stream:
         it (then up to --ext-proc-fallback-endpoints other addresses of ``fallbacks``, in
         order), e's data-parallel rank, the Authorization endpoints take, and a replaced body;
         the peer-source and rank headers a client sent are dropped."""
-        addresses = [await self.picker.address(e)]
+        addresses = [await self.address(e)]
         self.named = {addresses[0]: e}
         for other in fallbacks or ():
             if len(addresses) > self.router.config.ext_proc_fallback_endpoints:
                 break
-            named = await self.picker.address(other)
+            named = await self.address(other)
             if named not in addresses:  # data-parallel ranks share their server's address
                 addresses.append(named)
                 self.named[named] = other
@@ -266,13 +227,21 @@ class _Stream:
         # the router's own headers, never a client's (the HTTP proxy forwards no client header)
         named = {k for k, _ in headers}
         mutation.remove_headers.extend(h for h in (PEER_HEADER, DP_RANK_HEADER) if h not in named)
+        mutation.remove_headers.extend(self._reserved(named))
         metadata = Struct()
         metadata.update({METADATA_NAMESPACE: {DESTINATION: address}})
         return Verdict(headers=mutation, metadata=metadata, body=body)
 
+    def _reserved(self, named: set[str]) -> list[str]:
+        """The reserved x-gateway-* headers the client sent that the answer does not set."""
+        return [k for k in self.headers if k.startswith(RESERVED_PREFIX) and k not in named]
+
     def no_endpoint(self) -> Verdict:
-        if self.picker.fail_open:  # Envoy routes by its own configuration, never the client's
-            return Verdict(headers=pb.HeaderMutation(remove_headers=[DESTINATION]))
+        """503; or, failing open (and with no subset hint, which must be honoured), no
+        destination: Envoy routes by its own configuration, never the client's."""
+        if self.fail_open and self.subset is None:
+            unset = [DESTINATION, *self._reserved({DESTINATION})]
+            return Verdict(headers=pb.HeaderMutation(remove_headers=unset))
         refusal = Refusal()
         handlers.no_endpoint(refusal)  # type: ignore[arg-type]
         assert refusal.answer is not None
@@ -280,7 +249,8 @@ class _Stream:
 
     def _answered(self, http: pb.HttpHeaders, served: str | None) -> pb.ProcessingResponse:
         """The endpoint's answer head: as the HTTP path's first byte, a 5xx counting towards
-        the endpoint's ejection; the answer names the endpoint that served. ``served``: the
+        the endpoint's ejection; the answer names the endpoint that served (when asked to).
+        ``served``: the
         address Envoy reports serving; a fallback's means the chosen endpoint failed, and the
         forward's load moves to the fallback."""
         answer = passed("response_headers")
@@ -294,7 +264,7 @@ class _Stream:
                 self.charge = handlers.Charge(self.router, req, fallback, None)
             self.endpoint = fallback
         e = self.endpoint
-        if e is not None:
+        if e is not None and self.router.config.ext_proc_endpoint_header:
             named = set_headers([(ENDPOINT_HEADER, e.name)])
             answer.response_headers.response.header_mutation.set_headers.extend(named)
         if e is None or self.charge is None:

@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 DESTINATION = "x-gateway-destination-endpoint"  # header and metadata key (EPP protocol)
 METADATA_NAMESPACE = "envoy.lb"
 SERVED = "x-gateway-destination-endpoint-served"  # metadata key: the endpoint that served
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"  # metadata the gateway may send: pick among these
+SUBSET = "x-gateway-destination-endpoint-subset"
+RESERVED_PREFIX = "x-gateway-"  # the gateway's and the picker's headers, never a client's
 ADDRESS_TTL = 30.0  # seconds a resolved endpoint host is reused (ORIGINAL_DST wants an IP)
 
 
@@ -62,3 +65,23 @@ def served_by(message: pb.ProcessingRequest) -> str | None:
     if namespace is None or SERVED not in namespace.fields:
         return None
     return namespace.fields[SERVED].string_value
+
+
+def subset_hint(message: pb.ProcessingRequest) -> set[str] | None:
+    """The endpoints (IP:PORT, or an IP for all its ports) the gateway allows for this
+    request, from the envoy.lb.subset_hint metadata; None: no hint, any endpoint."""
+    namespace = message.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
+    if namespace is None or SUBSET not in namespace.fields:
+        return None
+    value = namespace.fields[SUBSET]
+    if value.WhichOneof("kind") == "list_value":
+        items = [v.string_value for v in value.list_value.values]
+    else:  # one string, comma-separated
+        items = value.string_value.split(",")
+    return {item.strip() for item in items if item.strip()}
+
+
+def in_subset(address: str, subset: set[str]) -> bool:
+    """Whether IP:PORT address is one the subset allows (its IP alone allows every port)."""
+    host = address.rpartition(":")[0]
+    return address in subset or host in subset or host.strip("[]") in subset

@@ -1,20 +1,78 @@
-"""The ext_proc gRPC server: router.ext_proc's endpoint picker on a port of its own, beside the
-router's HTTP port, and its drain."""
+"""The ext_proc gRPC server: Envoy's ExternalProcessor service on a port of its own, beside the
+router's HTTP port, each stream one request answered by router.ext_proc; and its drain."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3.external_processor_pb2_grpc import (
+    ExternalProcessorServicer,
     add_ExternalProcessorServicer_to_server,
 )
 
-from kvmesh.router.ext_proc import EndpointPicker
+from kvmesh.router.app import SHUTTING_DOWN
+from kvmesh.router.ext_proc import RequestStream
+from kvmesh.router.ext_proc_destination import EndpointAddresses
+from kvmesh.router.ext_proc_messages import FULL_DUPLEX_STREAMED, immediate
 
 if TYPE_CHECKING:
     from kvmesh.router.app import Router
+
+
+class EndpointPicker(ExternalProcessorServicer):
+    """envoy.service.ext_proc.v3.ExternalProcessor over the router's scheduling pipeline."""
+
+    def __init__(self, router: Router, fail_open: bool = False) -> None:
+        self.router, self.fail_open = router, fail_open
+        self.address = EndpointAddresses().address
+        self.open_streams = 0
+        self.draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def Process(  # noqa: N802  # the gRPC method's name
+        self, requests: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        """One HTTP request's stream: answers in the order of Envoy's messages (streamed bodies
+        may hold some back until the body is whole); an immediate response ends it. Whatever
+        load was charged is released when the stream ends."""
+        if self.draining:  # answered once Envoy has said what it sends (its first message)
+            async for _ in requests:
+                yield immediate(503, SHUTTING_DOWN, "Retry-After: 1\r\n")
+                return
+        stream = RequestStream(self.router, self.fail_open, self.address)
+        self.open_streams += 1
+        self._idle.clear()
+        try:
+            async for message in requests:
+                if message.HasField("protocol_config"):
+                    config = message.protocol_config
+                    stream.streamed_request = config.request_body_mode == FULL_DUPLEX_STREAMED
+                    stream.streamed_response = config.response_body_mode == FULL_DUPLEX_STREAMED
+                for answer in await stream.answer(message):
+                    yield answer
+                    if answer.HasField("immediate_response"):
+                        return
+        finally:
+            stream.end()
+            self.open_streams -= 1
+            if not self.open_streams:
+                self._idle.set()
+
+    async def drain(self, timeout: float) -> bool:
+        """Answer new streams 503 from now on; wait (at most timeout seconds) for the open
+        ones to end. Whether they all did."""
+        self.draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
 
 
 @dataclass(slots=True)

@@ -1,0 +1,88 @@
+"""The endpoint picker's side of the Gateway API Inference Extension protocol beyond the pick: the
+gateway's subset hint, reserved x-gateway-* headers, and the endpoint header kept internal
+unless asked for."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+grpc = pytest.importorskip("grpc")
+pb = pytest.importorskip("envoy.service.ext_proc.v3.external_processor_pb2")
+
+from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue, Metadata  # noqa: E402
+from google.protobuf.struct_pb2 import Struct  # noqa: E402
+
+from kvmesh.router.ext_proc import DESTINATION  # noqa: E402
+from tests import test_ext_proc as base  # noqa: E402
+from tests.test_ext_proc import address, body, headers, picker, process, set_headers  # noqa: E402
+
+epp, fleet = base.epp, base.fleet  # its fixtures, shared
+REQUEST = {"prompt": "hello there", "max_tokens": 2}
+
+
+def with_subset(message, subset: list[str] | str):
+    """message carrying the gateway's envoy.lb.subset_hint metadata."""
+    hint = Struct()
+    hint.update({"x-gateway-destination-endpoint-subset": subset})
+    message.metadata_context.CopyFrom(Metadata(filter_metadata={"envoy.lb.subset_hint": hint}))
+    return message
+
+
+async def test_the_subset_hint_limits_the_pick(epp, fleet) -> None:
+    _, port, _ = epp
+    for allowed in fleet:
+        for i in range(3):  # round and round: always the one allowed
+            request = {"prompt": f"request {i} for {allowed}", "max_tokens": 2}
+            first = with_subset(headers("/v1/completions"), [address(allowed)])
+            answers = await process(port, [first, body(request)])
+            assert set_headers(answers[1].request_body.response)[DESTINATION] == address(allowed)
+    first = with_subset(headers("/v1/models", method="GET", eos=True), address(fleet[1]))
+    answers = await process(port, [first])  # a comma-separated string, no body
+    assert set_headers(answers[0].request_headers.response)[DESTINATION] == address(fleet[1])
+    first = with_subset(headers("/v1/completions"), ["127.0.0.1"])  # an IP: any of its ports
+    answers = await process(port, [first, body(REQUEST)])
+    assert set_headers(answers[1].request_body.response)[DESTINATION] in map(address, fleet)
+
+
+@pytest.mark.parametrize("fail_open", [False, True])
+async def test_a_subset_with_no_endpoint_is_503_even_failing_open(
+    tokenizer, fleet, fail_open: bool
+) -> None:
+    with picker(tokenizer, fleet, fail_open=fail_open, kv_events=None) as (router, port, _):
+        base.wait_for(lambda: len(router.pool.candidates()) == 2)
+        for subset in (["10.9.9.9:8000"], []):
+            first = with_subset(headers("/v1/completions"), subset)
+            answers = await process(port, [first, body(REQUEST)])
+            reply = answers[-1].immediate_response
+            assert reply.status.code == 503
+            assert json.loads(reply.body)["error"]["type"] == "ServiceUnavailableError"
+
+
+async def test_reserved_gateway_headers_a_client_sent_are_dropped(epp) -> None:
+    _, port, _ = epp
+    sent = {
+        "x-gateway-destination-endpoint": "10.9.9.9:1",
+        "x-gateway-destination-endpoint-subset": "10.9.9.9:1",
+        "x-gateway-inference-objective": "premium",
+        "x-custom": "kept",
+    }
+    answers = await process(port, [headers("/v1/completions", **sent), body(REQUEST)])
+    common = answers[1].request_body.response
+    assert set_headers(common)[DESTINATION] != "10.9.9.9:1"  # the picker's, not the client's
+    removed = set(common.header_mutation.remove_headers)
+    assert {"x-gateway-destination-endpoint-subset", "x-gateway-inference-objective"} <= removed
+    assert DESTINATION not in removed and "x-custom" not in removed
+
+
+@pytest.mark.parametrize("opted_in", [False, True])
+async def test_the_endpoint_header_is_sent_only_when_asked(tokenizer, fleet, opted_in) -> None:
+    config = {"kv_events": None, "ext_proc_endpoint_header": opted_in}
+    with picker(tokenizer, fleet, **config) as (router, port, _):
+        base.wait_for(lambda: len(router.pool.candidates()) == 2)
+        status = HeaderMap(headers=[HeaderValue(key=":status", raw_value=b"200")])
+        head = pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=status))
+        answers = await process(port, [headers("/v1/completions"), body(REQUEST), head])
+    named = set_headers(answers[2].response_headers.response)
+    assert ("x-kvmesh-endpoint" in named) == opted_in
