@@ -86,3 +86,40 @@ async def test_the_endpoint_header_is_sent_only_when_asked(tokenizer, fleet, opt
         answers = await process(port, [headers("/v1/completions"), body(REQUEST), head])
     named = set_headers(answers[2].response_headers.response)
     assert ("x-kvmesh-endpoint" in named) == opted_in
+
+
+async def health(port: int, service: str, watch: bool = False):
+    """grpc.health.v1.Health Check (or Watch's first answer) for service on the ext_proc port."""
+    from kvmesh.router.ext_proc_health import HealthCheckRequest, HealthCheckResponse
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        method = "Watch" if watch else "Check"
+        call = (channel.unary_stream if watch else channel.unary_unary)(
+            f"/grpc.health.v1.Health/{method}",
+            request_serializer=HealthCheckRequest.SerializeToString,
+            response_deserializer=HealthCheckResponse.FromString,
+        )
+        if watch:
+            stream = call(HealthCheckRequest(service=service))
+            first = await stream.read()
+            stream.cancel()
+            return first.status
+        return (await call(HealthCheckRequest(service=service))).status
+
+
+async def test_grpc_health_says_live_and_ready_as_the_picker_is(tokenizer, fleet) -> None:
+    from kvmesh.router.ext_proc_health import NOT_SERVING, SERVING
+
+    services = ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor", "")
+    with picker(tokenizer, fleet, kv_events=None) as (router, port, _):
+        base.wait_for(lambda: len(router.pool.candidates()) == 2)
+        assert [await health(port, s) for s in services] == [SERVING] * 4
+        assert await health(port, "readiness", watch=True) == SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as unknown:
+            await health(port, "no-such-service")
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+    dead = ["http://127.0.0.1:9"]  # nothing listens: no endpoint in rotation
+    with picker(tokenizer, dead, kv_events=None) as (router, port, _):
+        base.wait_for(lambda: router.pool.endpoints and not router.pool.candidates())
+        statuses = [await health(port, s) for s in services]
+        assert statuses == [SERVING, NOT_SERVING, NOT_SERVING, NOT_SERVING]

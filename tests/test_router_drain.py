@@ -4,6 +4,7 @@ exits."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import re
@@ -91,9 +92,9 @@ def refused_with_503(url: str) -> bool:
     return code == 503 and error["code"] == 503 and error["type"] == "ServiceUnavailableError"
 
 
-def drains(proc: subprocess.Popen, stream: Stream, url: str) -> None:
-    """SIGTERM once the stream runs: new requests are refused, the stream ends whole, the
-    router exits 0."""
+def drains(proc: subprocess.Popen, stream: Stream, url: str, during=None) -> None:
+    """SIGTERM once the stream runs: new requests are refused (``during()`` checks more then),
+    the stream ends whole, the router exits 0."""
     assert stream.started.wait(30) and stream.status == 200
     proc.send_signal(signal.SIGTERM)
     line = "-"
@@ -101,6 +102,8 @@ def drains(proc: subprocess.Popen, stream: Stream, url: str) -> None:
         line = proc.stdout.readline()
         assert line, "the router exited without draining"
     assert refused_with_503(url)
+    if during is not None:
+        during()
     assert not stream.done.is_set()  # the stream outlived the signal...
     assert stream.done.wait(30)
     assert stream.chunks[-1] == b"data: [DONE]"  # ...and ended whole
@@ -124,7 +127,16 @@ def test_a_stream_through_envoy_finishes_when_the_picker_drains(engine: str) -> 
         router(engine, *flags) as (proc, _, ext_port),
         envoy(ext_port, "full-duplex-streamed", stream_responses=True) as url,
     ):
-        drains(proc, Stream(url), url)
+        drains(proc, Stream(url), url, during=lambda: not_ready(ext_port))
+
+
+def not_ready(ext_port: int) -> None:
+    """While draining, gRPC health says the picker is alive but not ready."""
+    from kvmesh.router.ext_proc_health import NOT_SERVING, SERVING
+    from tests.test_ext_proc_gateway import health
+
+    assert asyncio.run(health(ext_port, "readiness")) == NOT_SERVING
+    assert asyncio.run(health(ext_port, "liveness")) == SERVING
 
 
 def test_shutdown_timeout_zero_stops_at_once(engine: str) -> None:

@@ -1,5 +1,6 @@
 """The ext_proc gRPC server: Envoy's ExternalProcessor service on a port of its own, beside the
-router's HTTP port, each stream one request answered by router.ext_proc; and its drain."""
+router's HTTP port, each stream one request answered by router.ext_proc; gRPC health
+(router.ext_proc_health) on the same port; and its drain."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2_grpc import (
 from kvmesh.router.app import SHUTTING_DOWN
 from kvmesh.router.ext_proc import RequestStream
 from kvmesh.router.ext_proc_destination import EndpointAddresses
+from kvmesh.router.ext_proc_health import PickerHealth
 from kvmesh.router.ext_proc_messages import FULL_DUPLEX_STREAMED, immediate
 
 if TYPE_CHECKING:
@@ -64,6 +66,13 @@ class EndpointPicker(ExternalProcessorServicer):
             if not self.open_streams:
                 self._idle.set()
 
+    def ready(self) -> bool:
+        """Whether the picker can pick: as the HTTP port's /health (some endpoint in rotation,
+        no KV event subscription refused), and not draining."""
+        events = self.router.events
+        refused = events is not None and bool(events.refused)
+        return not self.draining and not refused and bool(self.router.pool.candidates())
+
     async def drain(self, timeout: float) -> bool:
         """Answer new streams 503 from now on; wait (at most timeout seconds) for the open
         ones to end. Whether they all did."""
@@ -100,6 +109,7 @@ async def serve_ext_proc(
     server = grpc.aio.server(options=options)
     picker = EndpointPicker(router, fail_open)
     add_ExternalProcessorServicer_to_server(picker, server)
+    server.add_generic_rpc_handlers((PickerHealth(picker.ready).handler(),))
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     return ExtProcServer(server, picker), bound
