@@ -33,6 +33,8 @@ async def until(cond, timeout: float = 10.0) -> None:
 
 
 def counter(metric, *labels) -> float:
+    if hasattr(metric, "counts"):  # metrics.LoopLabelledCounter
+        return metric.counts.get(labels, 0.0)
     return metric.labels(*labels)._value.get()
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterator
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
@@ -55,15 +54,35 @@ class LoopCounter:
         yield CounterMetricFamily(self.name, self.documentation, value=self.value)
 
 
+class LoopLabelledCounter:
+    """A Prometheus counter with labels, incremented on the event loop alone (so no lock): a
+    count per tuple of label values, read out when the registry is collected."""
+
+    def __init__(
+        self, name: str, documentation: str, labelnames: tuple[str, ...], registry
+    ) -> None:
+        self.name, self.documentation, self.labelnames = name, documentation, labelnames
+        self.counts: dict[tuple[str, ...], float] = {}
+        registry.register(self)
+
+    def inc(self, labels: tuple[str, ...], amount: float = 1.0) -> None:
+        self.counts[labels] = self.counts.get(labels, 0.0) + amount
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, count in self.counts.items():
+            family.add_metric(values, count)
+        yield family
+
+
 class RouterMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self._children: dict[tuple[str, str], Any] = {}
-        self.requests = Counter(
+        self.requests = LoopLabelledCounter(
             "kvmesh_router_requests",
             "Requests by endpoint and outcome.",
-            ["endpoint", "outcome"],
-            registry=r,
+            ("endpoint", "outcome"),
+            r,
         )
         self.retries = Counter(
             "kvmesh_router_retries",
@@ -201,11 +220,8 @@ class RouterMetrics:
         )
 
     def count(self, endpoint: str, outcome: str) -> None:
-        """requests{endpoint, outcome} += 1, through a cache of the labelled children."""
-        child = self._children.get((endpoint, outcome))
-        if child is None:
-            child = self._children[endpoint, outcome] = self.requests.labels(endpoint, outcome)
-        child.inc()
+        """requests{endpoint, outcome} += 1 (on the event loop)."""
+        self.requests.inc((endpoint, outcome))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
