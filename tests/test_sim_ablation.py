@@ -95,7 +95,10 @@ def test_cli_ablation_runs_each_row_and_prices_the_full_stack(tmp_path, capsys) 
     text = capsys.readouterr().out
     assert "ablation: 6 agents for 6 simulated s, 2 DP8/EP8 instances (16 GPUs)" in text
     assert "API/fleet" in text and "$3.00/GPU-hour from --gpu-hour-price" in text
+    assert "assumed: mtp drafts (3) accepted per position at 0.8, 0.7, 0.6" in text
+    assert "2.70 tokens per step" in text
     result = json.loads(out.read_text())
+    assert result["spec_acceptance"] == [0.8, 0.7, 0.6]
     rows = {r["off"]: r for r in result["rows"]}
     assert set(rows) == {
         "",

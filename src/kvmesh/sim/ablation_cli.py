@@ -102,6 +102,10 @@ def main(args: argparse.Namespace, config: FleetSimConfig, specs: list[str], age
     )
     results: dict = {"agents": agents.agents, "duration_s": agents.duration, "gpus": gpus,
                      "gpu_hour_usd": usd, "rows": []}  # fmt: skip
+    assumed = drafter_assumption(config)
+    if assumed is not None:
+        print(assumed[0], flush=True)
+        results["spec_acceptance"] = assumed[1]
     full: dict | None = None
     full_cost: FleetCost | None = None
     fleets: list[FleetSimConfig | None] = []
@@ -156,6 +160,30 @@ def main(args: argparse.Namespace, config: FleetSimConfig, specs: list[str], age
             written.append(str(plot_cost(full_cost, comparisons, stem + "-cost.png")))
         print("wrote " + ", ".join(written))
     return 0
+
+
+def drafter_assumption(config: FleetSimConfig) -> tuple[str, list[float]] | None:
+    """With a model drafter (MTP, EAGLE, a draft model): the line saying what its drafts are
+    assumed to be worth, and the rates; None without one (or with prompt lookup, which is
+    checked against the output stream rather than assumed)."""
+    from kvmesh.engine.emulation.spec import (
+        MODEL_DRAFTERS,
+        expected_tokens_per_step,
+        parse_acceptance,
+    )
+
+    spec = config.engine.speculative()
+    if spec is None or spec.method not in MODEL_DRAFTERS:
+        return None
+    rates = parse_acceptance(config.emulation.emulate_spec_acceptance)
+    k = spec.num_speculative_tokens or 1
+    per_step = expected_tokens_per_step(rates, k)
+    line = (
+        f"assumed: {spec.method} drafts ({k}) accepted per position at "
+        f"{', '.join(f'{r:g}' for r in rates)} (--emulate-spec-acceptance), "
+        f"{per_step:.2f} tokens per step; the - MTP row restates it"
+    )
+    return line, list(rates)
 
 
 def run_row(config: FleetSimConfig, policy: str, agents, ceiling: bool, progress_bar: bool) -> dict:
