@@ -51,7 +51,8 @@ def in_order(
     workers = min(jobs, total)
     say(f"{plural(total, 'run')} in {plural(workers, 'process', 'processes')}")
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(workers, mp_context=context) as pool:
+    # a process per run: its peak RSS is its own, and its memory goes back when it ends
+    with ProcessPoolExecutor(workers, mp_context=context, max_tasks_per_child=1) as pool:
         index: dict[Future, int] = {pool.submit(run, *args): i for i, args in enumerate(calls)}
         pending: set[Future] = set(index)
         results: dict[int, Any] = {}
