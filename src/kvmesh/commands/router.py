@@ -118,6 +118,14 @@ ROUTER_HELP = {
     "ext_proc_endpoint_header": "ext_proc: name the endpoint that served in an "
     "x-kvmesh-endpoint header on each answer (its URL: an internal address, so off by "
     "default).",
+    "inference_objectives": "ext_proc: a YAML file of InferenceObjective manifests (the "
+    "Gateway API Inference Extension's; `kubectl get inferenceobjectives -o yaml`): a request "
+    "naming one in x-gateway-inference-objective takes its spec.priority (default 0); one "
+    "with a negative priority is answered 429 while the pool is saturated.",
+    "saturation_queue_depth_threshold": "ext_proc shedding: an endpoint with this many requests "
+    "waiting (or more) has no capacity; with none left the pool is saturated.",
+    "saturation_kv_cache_util_threshold": "ext_proc shedding: an endpoint whose KV cache usage "
+    "(0-1) reaches this has no capacity.",
     "shutdown_timeout": "On SIGTERM or SIGINT, seconds the answers in progress (and the ext_proc "
     "streams Envoy holds open for them) get to finish, while new requests get 503 and new "
     "ext_proc streams an immediate 503; then the router exits (a second signal: at once). "
@@ -195,6 +203,14 @@ def cmd_router(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvmesh router: {exc}", file=sys.stderr)
         return 2
+    if config.inference_objectives:
+        from kvmesh.router.shedding import load_objectives
+
+        try:
+            load_objectives(config.inference_objectives)
+        except ValueError as exc:
+            print(f"kvmesh router: {exc}", file=sys.stderr)
+            return 2
     if config.ext_proc_port is not None:
         try:
             import kvmesh.router.ext_proc  # noqa: F401  # grpcio and xds-protos

@@ -72,6 +72,12 @@ class RouterConfig:
     # name the endpoint that served in an x-kvmesh-endpoint answer header (an internal address:
     # off unless asked for)
     ext_proc_endpoint_header: bool = False
+    # ext_proc load shedding (router.shedding): InferenceObjective manifests giving requests
+    # their priority; a negative one is answered 429 while no endpoint has capacity (fewer
+    # waiting than the queue threshold and KV cache usage under the utilization threshold)
+    inference_objectives: str | None = None
+    saturation_queue_depth_threshold: float = 5.0
+    saturation_kv_cache_util_threshold: float = 0.8
     # on SIGTERM: seconds the answers and ext_proc streams in progress get to finish while new
     # requests are refused (503); 0: stop at once
     shutdown_timeout: float = 30.0
@@ -119,6 +125,10 @@ class RouterConfig:
             raise ValueError(f"--k8s-target-port must be a port, got {self.k8s_target_port}")
         if self.ext_proc_fallback_endpoints < 0:
             raise ValueError("--ext-proc-fallback-endpoints must be 0 (none) or positive")
+        if self.saturation_queue_depth_threshold <= 0:
+            raise ValueError("--saturation-queue-depth-threshold must be positive")
+        if not 0 < self.saturation_kv_cache_util_threshold <= 1:
+            raise ValueError("--saturation-kv-cache-util-threshold must be in (0, 1]")
         if self.shutdown_timeout < 0:
             raise ValueError("--shutdown-timeout must be 0 (stop at once) or positive")
         if self.ext_proc_port is not None and not 0 <= self.ext_proc_port < 65536:

@@ -55,6 +55,7 @@ from kvmesh.router.ext_proc_messages import (
 from kvmesh.router.pd import prefill_remotely
 from kvmesh.router.peer_source import PEER_HEADER
 from kvmesh.router.request_reader import Request
+from kvmesh.router.shedding import SATURATED, Shedding
 
 if TYPE_CHECKING:
     from kvmesh.router.app import Router
@@ -70,9 +71,14 @@ class RequestStream:
     on ``endpoint`` from the destination's sending until end()."""
 
     def __init__(
-        self, router: Router, fail_open: bool, address: Callable[[Endpoint], Awaitable[str]]
+        self,
+        router: Router,
+        fail_open: bool,
+        address: Callable[[Endpoint], Awaitable[str]],
+        shedding: Shedding | None = None,
     ) -> None:
         self.router, self.fail_open, self.address = router, fail_open, address
+        self.shedding = shedding or Shedding()
         self.streamed_request = self.streamed_response = False  # FULL_DUPLEX_STREAMED bodies
         self.headers: dict[str, str] = {}
         self.body: list[bytes] = []
@@ -161,6 +167,9 @@ class RequestStream:
         if router.warm_until:  # just started: the engines' KV-event replay is still coming in
             await router.wait_index_warm()
         outside = await self._outside_subset()
+        candidates = (e for e in router.pool.candidates() if e.name not in outside)
+        if self.shedding.sheds(self.headers, candidates):  # sheddable, and no room anywhere
+            return Verdict(refusal=immediate(429, SATURATED, "Retry-After: 1\r\n"))
         result = router.pick(req, outside, everywhere=False)  # no retry here: 503 instead
         router.metrics.scheduling.observe(perf_counter() - t0)
         if result is None:

@@ -21,6 +21,7 @@ from kvmesh.router.ext_proc import RequestStream
 from kvmesh.router.ext_proc_destination import EndpointAddresses
 from kvmesh.router.ext_proc_health import PickerHealth
 from kvmesh.router.ext_proc_messages import FULL_DUPLEX_STREAMED, immediate
+from kvmesh.router.shedding import Shedding, load_objectives
 
 if TYPE_CHECKING:
     from kvmesh.router.app import Router
@@ -32,6 +33,13 @@ class EndpointPicker(ExternalProcessorServicer):
     def __init__(self, router: Router, fail_open: bool = False) -> None:
         self.router, self.fail_open = router, fail_open
         self.address = EndpointAddresses().address
+        config = router.config
+        objectives = config.inference_objectives
+        self.shedding = Shedding(
+            load_objectives(objectives) if objectives else {},
+            config.saturation_queue_depth_threshold,
+            config.saturation_kv_cache_util_threshold,
+        )
         self.open_streams = 0
         self.draining = False
         self._idle = asyncio.Event()
@@ -47,7 +55,7 @@ class EndpointPicker(ExternalProcessorServicer):
             async for _ in requests:
                 yield immediate(503, SHUTTING_DOWN, "Retry-After: 1\r\n")
                 return
-        stream = RequestStream(self.router, self.fail_open, self.address)
+        stream = RequestStream(self.router, self.fail_open, self.address, self.shedding)
         self.open_streams += 1
         self._idle.clear()
         try:
