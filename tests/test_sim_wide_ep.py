@@ -203,3 +203,39 @@ def test_cli_runs_agents_on_wide_ep_instances(tmp_path, capsys):
     summary = json.loads(out.read_text())["policies"]["kvmesh"]
     assert summary["gpus"] == 16 and summary["instances"] == 2 and summary["engines"] == 16
     assert summary["output_tok_per_min"] > 0 and 0 < summary["gpu_busy"] <= 1
+
+
+def test_two_batch_overlap_exposes_only_the_pipelines_fill_and_drain() -> None:
+    import numpy as np
+
+    from kvmesh.engine.emulation.wide_ep import two_batch_overlap
+
+    layers = 10
+    compute, comm = np.full(layers, 3.0), np.full(layers, 2.0)
+    # A's first kernels, 2 x 10 - 1 overlapped intervals of the longer, B's last all-to-all
+    assert two_batch_overlap(compute, comm) == pytest.approx(3 + 19 * 3 + 2)
+    per_layer = layers * (2 * 3.0 + 2.0)  # a pipeline drained at every layer
+    assert two_batch_overlap(compute, comm) == pytest.approx(per_layer - (layers - 1) * 2.0)
+    # nothing to hide: both micro-batches' kernels one after another
+    assert two_batch_overlap(compute, np.zeros(layers)) == pytest.approx(2 * compute.sum())
+
+
+def test_dbo_step_pipelines_its_micro_batches_across_the_forward() -> None:
+    import numpy as np
+
+    from kvmesh.engine.emulation.instance_roofline import rank_load
+    from kvmesh.engine.emulation.wide_ep import two_batch_overlap
+
+    dbo = WideEPRoofline(H200, GLM, 16, enable_dbo=True)
+    works = [[SequenceWork(1, 4000, False, 0, 0)] * 128 for _ in range(16)]
+    load = rank_load(works, dummy=True)
+    half = load._replace(
+        tokens=load.tokens / 2, attended=load.attended / 2, kv_tokens=load.kv_tokens / 2
+    )
+    h_dense, h_experts, h_comm, _ = dbo._layers(half)
+    h_compute = h_dense + h_experts
+    dense_layers = 2 * h_dense * GLM.num_dense_layers  # the dense layers before the MoE ones
+    moe = dbo.step_cost(works).time - dbo.step_overhead - dense_layers
+    assert moe == pytest.approx(two_batch_overlap(h_compute, h_comm))
+    drained = float((2 * np.maximum(h_compute, h_comm) + np.minimum(h_compute, h_comm)).sum())
+    assert moe < drained  # not one exposed kernel-or-collective per layer

@@ -66,7 +66,7 @@ def in_order(
                 took = elapsed(time.monotonic() - start)
                 say(f"  {names[i]} done ({completed}/{total}, {took})")
             if not done:
-                running = sum(1 for f in pending if f.running())
+                running = min(workers, sum(1 for f in pending if f.running()))
                 took = elapsed(time.monotonic() - start)
                 say(f"  {completed}/{total} done, {running} running ({took})")
             while next_index in results:

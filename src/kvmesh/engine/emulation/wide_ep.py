@@ -158,23 +158,33 @@ class WideEPRoofline(InstanceRoofline):
         dense, experts, comm, imbalance = self._layers(load)
         compute = dense + experts  # per MoE layer
         if self.enable_dbo and load.tokens.max() >= self.dbo_threshold:
-            # two micro-batches, each half the tokens, KV and attention but all the weights:
-            # one's all-to-all runs under the other's kernels, the first and last stay exposed
+            # two micro-batches, each half the tokens, KV and attention but all the weights
             half = RankLoad(load.tokens / 2, load.attended / 2, load.kv_tokens / 2, load.idle)
             h_dense, h_experts, h_comm, _ = self._layers(half)
             h_compute = h_dense + h_experts
-            layers = 2 * np.maximum(h_compute, h_comm) + np.minimum(h_compute, h_comm)
+            forward = two_batch_overlap(h_compute, h_comm)
             compute, comm, dense = 2 * h_compute, 2 * h_comm, 2 * h_dense
         else:
-            layers = compute + comm
+            forward = float((compute + comm).sum())
         dense_layers = dense * self.model.num_dense_layers
         return StepCost(
-            float(layers.sum() + dense_layers + self.step_overhead),
+            float(forward + dense_layers + self.step_overhead),
             float(compute.sum() + dense_layers),
             float(comm.sum()),
             float(imbalance.mean()),
             load.idle,
         )
+
+
+def two_batch_overlap(compute: np.ndarray, comm: np.ndarray) -> float:
+    """Seconds of the MoE layers' forward as two micro-batches A and B pipelined across the
+    whole forward (SGLang's two-batch overlap, vLLM's DBO), given one micro-batch's kernels and
+    all-to-all time per layer: A's first kernels run alone, then every interval runs one
+    micro-batch's all-to-all under the other's kernels (A's layer-i all-to-all with B's layer-i
+    kernels, B's with A's layer-i+1 kernels), and B's last all-to-all runs alone. Only the
+    pipeline's fill and drain are exposed, not one kernel-or-collective per layer."""
+    pairs = np.maximum(comm, compute).sum() + np.maximum(comm[:-1], compute[1:]).sum()
+    return float(compute[0] + pairs + comm[-1])
 
 
 class TensorParallelRoofline(InstanceRoofline):
