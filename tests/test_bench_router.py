@@ -162,3 +162,23 @@ def test_the_closed_loop_sends_a_new_prompt_on_every_request_unless_told_to_repe
     repeated = prompt_requests("http://127.0.0.1:1", "m", "shared context", repeated=64)
     sent = [prompt(repeated(k, i)) for k in range(8) for i in range(100)]
     assert len(set(sent)) == 64
+
+
+def test_another_checkouts_kvmesh_is_a_router_row_of_its_own(tmp_path) -> None:
+    """`kvmesh@SRC:PRESET` runs the kvmesh of another checkout (its src directory first on the
+    path), so two versions are measured in one run; anything else after @ is refused."""
+    import pytest
+
+    from kvmesh.bench.router_bench import _targets
+    from kvmesh.bench.router_procs import router_command
+
+    (tmp_path / "kvmesh").mkdir()
+    (t,) = _targets(f"kvmesh@{tmp_path}:kvmesh")
+    assert t.src == str(tmp_path) and t.label == f"kvmesh kvmesh ({tmp_path})"
+    cmd = router_command(t, ["http://a:1"], 8080, {})
+    assert (
+        cmd[:2] == ["env", f"PYTHONPATH={tmp_path}"] and cmd[cmd.index("--preset") + 1] == "kvmesh"
+    )
+    for bad in (f"kvmesh@{tmp_path / 'none'}:kvmesh", f"vllm@{tmp_path}:round_robin"):
+        with pytest.raises(SystemExit, match="kvmesh@SRC"):
+            _targets(bad)

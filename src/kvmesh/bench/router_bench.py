@@ -69,7 +69,8 @@ FLAGS = (  # flag, type, default, help
         str,
         ALL_ROUTERS,
         "Routers to measure as kind:policy (kvmesh, sglang, vllm; envoy:PRESET is Envoy with "
-        "kvmesh as its ext_proc endpoint picker).",
+        "kvmesh as its ext_proc endpoint picker; kvmesh@SRC:PRESET runs the kvmesh of another "
+        "checkout's src directory, to compare two versions in one run).",
     ),
     ("--requests", int, 500, "Routed (and as many direct) requests per latency case."),
     ("--concurrency", int, 32, "Connections of the closed loop."),
@@ -214,11 +215,18 @@ def _targets(spec: str) -> list[Target]:
     out = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
         kind, _, policy = item.partition(":")
-        if kind not in ("kvmesh", "sglang", "vllm", "envoy") or not policy:
+        kind, _, src = kind.partition("@")
+        if (
+            kind not in ("kvmesh", "sglang", "vllm", "envoy")
+            or not policy
+            or src
+            and (kind != "kvmesh" or not Path(src, "kvmesh").is_dir())
+        ):
             raise SystemExit(
-                f"--routers: {item!r} is not kind:policy (kvmesh, sglang, vllm, envoy)"
+                f"--routers: {item!r} is not kind:policy (kvmesh, sglang, vllm, envoy), or "
+                "kvmesh@SRC:policy with SRC another checkout's src directory"
             )
-        out.append(Target(kind, policy))
+        out.append(Target(kind, policy, src=src))
     return out
 
 

@@ -57,11 +57,14 @@ class Target:
     policy: str
     flags: tuple[str, ...] = ()  # extra `kvmesh router` flags (kvmesh only)
     name: str = ""  # the label of a kvmesh router run with flags
+    src: str = ""  # kvmesh only: run the kvmesh of this source tree (another checkout's src/)
 
     @property
     def label(self) -> str:
         if self.name:
             return f"kvmesh {self.name}"
+        if self.src:
+            return f"kvmesh {self.policy} ({self.src})"
         if self.kind == "envoy":
             return f"envoy + kvmesh EPP {self.policy}"
         return (
@@ -185,6 +188,8 @@ def router_command(t: Target, urls: list[str], port: int, bins: dict[str, str | 
         for u in urls:
             cmd += ["--endpoint", u]
         cmd += ["--host", "127.0.0.1", "--port", str(port), "--preset", t.policy]
+        if t.src:  # another checkout's kvmesh, on this interpreter and its packages
+            cmd = ["env", f"PYTHONPATH={t.src}", *cmd]
         return cmd + list(t.flags)
     if t.kind == "envoy":  # Envoy on `port`, kvmesh's ext_proc picker behind it
         cmd = [sys.executable, "-m", "kvmesh.bench.envoy_epp", "--port", str(port)]
