@@ -38,6 +38,7 @@ def test_streamed_mode_sends_trailers_and_buffered_does_not() -> None:
     assert mode["request_body_mode"] == "FULL_DUPLEX_STREAMED"
     assert mode["request_trailer_mode"] == "SEND"  # Envoy refuses the body mode without it
     assert mode["response_body_mode"] == "NONE"
+    assert mode["response_trailer_mode"] == "SEND"  # keeps the stream to the answer's end
     ext_proc, _ = _filter_and_route(envoy_config(body_mode="buffered"))
     assert ext_proc["processing_mode"]["request_body_mode"] == "BUFFERED"
     assert ext_proc["processing_mode"]["request_trailer_mode"] == "SKIP"

@@ -22,7 +22,17 @@ from envoy.service.ext_proc.v3.external_processor_pb2_grpc import (  # noqa: E40
 from kvmesh.router.ext_proc import DESTINATION, METADATA_NAMESPACE  # noqa: E402
 from kvmesh.router.ext_proc_messages import STREAMED_CHUNK_BYTES  # noqa: E402
 from tests import test_ext_proc as base  # noqa: E402
-from tests.test_ext_proc import address, headers, set_headers  # noqa: E402
+from tests.conftest import emulated_fleet  # noqa: E402
+from tests.test_ext_proc import (  # noqa: E402
+    BODY_MODES,
+    address,
+    envoy,
+    headers,
+    picker,
+    set_headers,
+    wait_for,
+)
+from tests.test_router_drain import Stream  # noqa: E402
 
 epp, fleet = base.epp, base.fleet  # its fixtures, shared
 
@@ -124,3 +134,31 @@ async def test_answer_bodies_pass_through_unchanged(epp) -> None:
     assert answers[2].HasField("response_headers")
     passed = [a.response_body.response.body_mutation.streamed_response for a in answers[3:]]
     assert [(p.body, p.end_of_stream) for p in passed] == [(sse[0], False), (sse[1], True)]
+
+
+@pytest.fixture(scope="module")
+def slow_engine(tokenizer):
+    """One emulated engine answering a token every 50 ms."""
+    with emulated_fleet(tokenizer, 1, emulate_ttft_ms=5.0, emulate_itl_ms=50.0) as (urls, _):
+        yield urls[0]
+
+
+@pytest.mark.parametrize(("body_mode", "stream_responses"), BODY_MODES)
+def test_the_load_counts_until_the_answer_ends(
+    tokenizer, slow_engine, body_mode: str, stream_responses: bool
+) -> None:
+    """Through a real Envoy in each mode, the picker's stream, and with it the forward's load
+    on the endpoint, lasts until the streamed answer ends, not only to its head."""
+    config = {"kv_events": None, "preset": "round-robin"}
+    with (
+        picker(tokenizer, [slow_engine], **config) as (router, port, _),
+        envoy(port, body_mode, stream_responses) as url,
+    ):
+        wait_for(lambda: len(router.pool.candidates()) == 1)
+        (endpoint,) = router.pool.endpoints.values()
+        stream = Stream(url)  # 60 tokens: 3 s
+        assert stream.started.wait(30) and stream.status == 200
+        assert endpoint.in_flight == 1
+        assert not stream.done.is_set()  # counted mid-answer
+        assert stream.done.wait(30) and stream.chunks[-1] == b"data: [DONE]"
+        wait_for(lambda: endpoint.in_flight == 0)

@@ -48,8 +48,9 @@ HEADER = """\
 
 def processing_mode(body_mode: str, stream_responses: bool = False) -> dict[str, str]:
     """ext_proc's processing_mode: the request headers and body always; streamed, trailers
-    too (Envoy requires them with FULL_DUPLEX_STREAMED) and, with stream_responses, the answer's
-    body as well (the picker passes it through unchanged)."""
+    too (Envoy requires the request's with FULL_DUPLEX_STREAMED; the answer's keep the stream
+    open to its end) and, with stream_responses, the answer's body as well (the picker passes
+    it through unchanged)."""
     mode = BODY_MODES[body_mode]
     streamed = mode == "FULL_DUPLEX_STREAMED"
     return {
@@ -59,7 +60,9 @@ def processing_mode(body_mode: str, stream_responses: bool = False) -> dict[str,
         # the answer's head: the router counts the prompt as computed and the decision as served
         "response_header_mode": "SEND",
         "response_body_mode": "FULL_DUPLEX_STREAMED" if streamed and stream_responses else "NONE",
-        "response_trailer_mode": "SEND" if streamed and stream_responses else "SKIP",
+        # streamed, Envoy ends the picker's stream after the answer's head unless a later part
+        # is still to come: the trailers keep it open, so the load counts to the answer's end
+        "response_trailer_mode": "SEND" if streamed else "SKIP",
     }
 
 
