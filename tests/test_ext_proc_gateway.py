@@ -16,7 +16,16 @@ from google.protobuf.struct_pb2 import Struct  # noqa: E402
 
 from kvmesh.router.ext_proc import DESTINATION  # noqa: E402
 from tests import test_ext_proc as base  # noqa: E402
-from tests.test_ext_proc import address, body, headers, picker, process, set_headers  # noqa: E402
+from tests.helpers import http  # noqa: E402
+from tests.test_ext_proc import (  # noqa: E402
+    address,
+    body,
+    envoy,
+    headers,
+    picker,
+    process,
+    set_headers,
+)
 
 epp, fleet = base.epp, base.fleet  # its fixtures, shared
 REQUEST = {"prompt": "hello there", "max_tokens": 2}
@@ -123,3 +132,27 @@ async def test_grpc_health_says_live_and_ready_as_the_picker_is(tokenizer, fleet
         base.wait_for(lambda: router.pool.endpoints and not router.pool.candidates())
         statuses = [await health(port, s) for s in services]
         assert statuses == [SERVING, NOT_SERVING, NOT_SERVING, NOT_SERVING]
+
+
+@pytest.mark.parametrize("allowed", [0, 1])
+def test_real_envoy_forwards_a_subset_hint_the_picker_honours(epp, fleet, allowed: int) -> None:
+    """A filter ahead of ext_proc sets the envoy.lb.subset_hint metadata, as a gateway does;
+    the shipped config forwards it and every request lands on the one endpoint allowed."""
+    router, port, _ = epp
+    hint = {
+        "name": "envoy.filters.http.set_metadata",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config",
+            "metadata": [
+                {
+                    "metadata_namespace": "envoy.lb.subset_hint",
+                    "value": {"x-gateway-destination-endpoint-subset": [address(fleet[allowed])]},
+                }
+            ],
+        },
+    }
+    with envoy(port, "full-duplex-streamed", filters_before=[hint]) as url:
+        for i in range(4):
+            code, head, raw = http(url + "/v1/completions", {"prompt": f"p{i}", "max_tokens": 2})
+            assert code == 200, raw
+            assert head["x-kvmesh-endpoint"] == fleet[allowed]
