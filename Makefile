@@ -67,8 +67,9 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
+# -v and live INFO logs: each test named, and what a test is waiting for while vLLM starts
 test-vllm: $(STAMP_TEST) $(VLLM_STAMP)
-	$(BIN)/python -m pytest -q -m vllm $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -v -m vllm -o log_cli=true --log-cli-level=INFO $(PYTEST_ARGS)
 
 test-slow: $(STAMP_TEST)
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)

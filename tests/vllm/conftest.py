@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm.procs import HASH_SEED
+from tests.vllm.procs import HASH_SEED, logger
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_VENV = REPO / ".venv-vllm"
@@ -53,7 +53,9 @@ def model_dir(vllm_python, tmp_path_factory) -> Path:
     from kvmesh.protocol.tokenizer import default_gguf_path
 
     out = tmp_path_factory.mktemp("smollm2-hf")
+    logger.info("converting the embedded SmolLM2 GGUF to an HF directory for vLLM: %s", out)
     convert_gguf(default_gguf_path(), out, "float32")
+    logger.info("converted")
     return out
 
 

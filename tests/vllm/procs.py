@@ -7,6 +7,7 @@ ends the whole group. Every wait has a deadline and fails with the process's log
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -17,6 +18,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+logger = logging.getLogger("kvmesh.tests.vllm")  # shown live by `make test-vllm`
 SERVED_MODEL = "smollm2"
 BLOCK_SIZE = 32  # vLLM's CPU backend takes only multiples of 32
 HASH_ALGO = "sha256"
@@ -105,14 +107,23 @@ class Process:
             return ""
 
     def wait_healthy(self, timeout: float = START_TIMEOUT) -> None:
-        deadline = time.monotonic() + timeout
+        """Until GET /health answers 200, saying every 15 s how long it has waited (a cold
+        vLLM start takes a minute alone, several with others starting beside it)."""
+        started = time.monotonic()
+        deadline, said = started + timeout, started
+        logger.info("%s: starting (log %s), waiting for /health", self.name, self.log)
         while time.monotonic() < deadline:
+            if time.monotonic() - said >= 15:
+                said = time.monotonic()
+                logger.info("%s: still starting, %.0f s so far", self.name, said - started)
             if self.proc.poll() is not None:
                 code = self.proc.returncode
                 raise RuntimeError(f"{self.name} exited ({code}):\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
                     if resp.status == 200:
+                        took = time.monotonic() - started
+                        logger.info("%s: healthy after %.0f s", self.name, took)
                         return
             except (OSError, urllib.error.URLError):
                 pass
