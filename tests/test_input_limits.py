@@ -16,10 +16,12 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvmesh.commands.flags import add_dataclass_args, config_from_args
 from kvmesh.protocol import chat_template
-from kvmesh.protocol.openai import MAX_JSON_DEPTH, nested_too_deeply
+from kvmesh.protocol.openai import MAX_JSON_DEPTH, nested_too_deeply, opening_brackets
 from kvmesh.router.app import Router, RouterConfig, start_router
 from tests.conftest import emulated_fleet
 from tests.helpers import http, loop_thread
@@ -170,6 +172,12 @@ def test_json_nested_too_deeply_gets_400(untrusted, path, body):
         code, out = post(url, path, body)
         assert code == 400 and "nested too deeply" in out["error"]["message"]
         assert health(url) == 200
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=400) | st.text(alphabet='{[]}"x\\', max_size=400).map(str.encode))
+def test_opening_brackets_are_counted_as_bytes_count_counts_them(body):
+    assert opening_brackets(body) == body.count(b"{") + body.count(b"[")
 
 
 def test_the_depth_limit_is_documented_and_exact(untrusted):

@@ -178,6 +178,13 @@ _decoders: dict[type, msgspec.json.Decoder] = {}
 _encoder = msgspec.json.Encoder()
 
 
+def opening_brackets(body: bytes) -> int:
+    """``body.count(b"{") + body.count(b"[")`` in one vector pass: "[" (0x5B) and "{" (0x7B)
+    are the bytes that read 0x7B with bit 0x20 set (bytes.count is a byte-at-a-time loop: two
+    of them were an eighth of the router's instructions on a new 8k prompt)."""
+    return int(np.count_nonzero((np.frombuffer(body, dtype=np.uint8) | 0x20) == 0x7B))
+
+
 def nested_too_deeply(body: bytes, levels: int = MAX_JSON_DEPTH) -> bool:
     """Whether a well-formed JSON text nests more than ``levels`` arrays and objects, fields
     no schema reads included; vector passes over the bytes, milliseconds for megabytes (a
@@ -185,7 +192,7 @@ def nested_too_deeply(body: bytes, levels: int = MAX_JSON_DEPTH) -> bool:
     Escapes go first (escaped backslashes, then escaped quotes: JSON reads them left to
     right), so every quote left opens or closes a string; a bracket counts where an even
     number of quotes precedes it."""
-    if body.count(b"{") + body.count(b"[") <= levels:  # most bodies: two counts
+    if opening_brackets(body) <= levels:  # most bodies: too few brackets to nest that deep
         return False
     text = body.replace(b"\\\\", b"").replace(b'\\"', b"")
     marks = np.frombuffer(text.translate(None, _NOT_MARKS), dtype=np.uint8)
