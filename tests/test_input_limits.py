@@ -16,7 +16,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvmesh.commands.flags import add_dataclass_args, config_from_args
@@ -175,7 +175,9 @@ def test_json_nested_too_deeply_gets_400(untrusted, path, body):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.binary(max_size=400) | st.text(alphabet='{[]}"x\\', max_size=400).map(str.encode))
+@given(st.binary(max_size=5000) | st.text(alphabet='{[]}"x\\', max_size=5000).map(str.encode))
+@example(b'x{"a": [1, {"b": "[\\"{"}]}' * 300)  # past 2 KiB: the vector pass
+@example(bytes(range(256)) * 12)
 def test_opening_brackets_are_counted_as_bytes_count_counts_them(body):
     assert opening_brackets(body) == body.count(b"{") + body.count(b"[")
 
