@@ -54,13 +54,6 @@ ROUTER_FLOORS: tuple[tuple[str, ...], ...] = (
 # Circles that remain today, by their members, each with the change that breaks it (see
 # docs/layers.md, "What is left").
 KNOWN_CYCLES: dict[frozenset[str], str] = {
-    frozenset({"engine.spec.draft_model_proposer", "engine.spec.mtp_proposer",
-               "engine.torch_runner"}):
-        "proposers name TorchRunner for types; a TargetRunner protocol in spec would do",
-    frozenset({"router.endpoints", "router.outlier"}):
-        "outlier names Endpoint for types; a protocol of the fields it reads would do",
-    frozenset({"router.plugins.base", "router.plugins.state"}):
-        "SchedulingState.of names SchedulingRequest for types; a protocol would do",
     frozenset({"sim.ablation_cli", "sim.agents_cli"}):
         "agents_cli dispatches --ablation to ablation_cli, which runs agents_cli's run_agents",
 }  # fmt: skip

@@ -8,10 +8,23 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
-if TYPE_CHECKING:
-    from kvmesh.router.endpoints import Endpoint
+
+class Ejectable(Protocol):
+    """What outlier detection reads and writes on an endpoint (router.endpoints.Endpoint)."""
+
+    healthy: bool
+    timed_out: bool
+    block_size_mismatch: bool
+    model_mismatch: bool
+    errors: int
+    ejected: bool
+    ejected_until: float
+    times_ejected: int
+
+
+EndpointT = TypeVar("EndpointT", bound=Ejectable)
 
 
 @dataclass(slots=True)
@@ -43,13 +56,14 @@ class OutlierDetection:
         if not 0 <= self.healthy_panic_threshold <= 100:
             raise ValueError("--healthy-panic-threshold must be in [0, 100]")
 
-    def rotation(self, endpoints: Iterable[Endpoint], now: float) -> tuple[list[Endpoint], bool]:
+    def rotation(self, endpoints: Iterable[EndpointT], now: float) -> tuple[list[EndpointT], bool]:
         """(the endpoints requests may go to, whether the fleet is in panic). The fleet: the
         endpoints of the router's block size and model. In rotation: the healthy and not
         ejected. In panic (fewer of those than healthy_panic_threshold percent of the fleet):
         also the ejected and those whose checks timed out (no panic when that adds none);
         never one that refused connections, whose requests could only fail."""
-        fleet, routable = [], []
+        fleet: list[EndpointT] = []
+        routable: list[EndpointT] = []
         for e in endpoints:
             if not (e.block_size_mismatch or e.model_mismatch):
                 fleet.append(e)
@@ -60,7 +74,7 @@ class OutlierDetection:
         spread = [e for e in fleet if e.healthy or e.timed_out]
         return (spread, True) if len(spread) > len(routable) else (routable, False)
 
-    def request_failed(self, e: Endpoint, fleet: Collection[Endpoint], now: float) -> float:
+    def request_failed(self, e: Ejectable, fleet: Collection[Ejectable], now: float) -> float:
         """Count a failed request at e (one of fleet); eject e when that made consecutive_errors
         in a row and the fleet can spare it. The ejection's length in seconds; 0: not ejected."""
         e.errors += 1
@@ -83,7 +97,7 @@ class OutlierDetection:
         return span
 
 
-def ejection_ended(e: Endpoint, now: float) -> bool:
+def ejection_ended(e: Ejectable, now: float) -> bool:
     """True once per ejection: the first time it is asked after the ejection's end."""
     if e.ejected and e.ejected_until <= now:
         e.ejected = False
@@ -91,6 +105,6 @@ def ejection_ended(e: Endpoint, now: float) -> bool:
     return False
 
 
-def forget_ejections(e: Endpoint) -> None:
+def forget_ejections(e: Ejectable) -> None:
     """A restarted engine starts afresh: no ejection, none counted, no failed requests."""
     e.ejected_until, e.ejected, e.times_ejected, e.errors = 0.0, False, 0, 0

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,16 +36,14 @@ from kvmesh.engine.scheduler import SchedulerOutput
 from kvmesh.engine.sequence import Request
 from kvmesh.engine.spec.config import SpeculativeConfig
 from kvmesh.engine.spec.speculator import Proposer
+from kvmesh.engine.spec.target_runner import TargetRunner
 from kvmesh.protocol.tokenizer import DEFAULT_MODEL_NAME
 from kvmesh.protocol.wording import plural
-
-if TYPE_CHECKING:
-    from kvmesh.engine.torch_runner import TorchRunner
 
 logger = logging.getLogger(__name__)
 
 
-def load_draft(config: SpeculativeConfig, runner: TorchRunner) -> LoadedModel:
+def load_draft(config: SpeculativeConfig, runner: TargetRunner) -> LoadedModel:
     """The draft model `config` names, on the runner's device and dtype: "smollm2" (or the
     embedded model's name) is the embedded SmolLM2, anything else a path load_model reads."""
     name = config.model
@@ -74,7 +71,7 @@ class _Tail:
 
 
 class DraftModelProposer(Proposer):
-    def __init__(self, config: SpeculativeConfig, runner: TorchRunner) -> None:
+    def __init__(self, config: SpeculativeConfig, runner: TargetRunner) -> None:
         self.k = config.num_speculative_tokens or 1
         self.num_lookahead_tokens = self.k  # rows L + 1 .. L + k
         self.runner = runner

@@ -33,7 +33,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -46,10 +45,8 @@ from kvmesh.engine.spec.eagle import EagleDrafter, load_eagle_head
 from kvmesh.engine.spec.mtp import SMOLLM2_MTP_HEAD, MultiTokenPredictor, load_mtp_head
 from kvmesh.engine.spec.speculator import Proposer
 from kvmesh.engine.spec.target_mtp import check_supported, load_target_mtp
+from kvmesh.engine.spec.target_runner import TargetRunner
 from kvmesh.protocol.wording import plural
-
-if TYPE_CHECKING:
-    from kvmesh.engine.torch_runner import TorchRunner
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +95,7 @@ class _Tail:
 
 
 class MtpProposer(Proposer):
-    def __init__(self, config: SpeculativeConfig, runner: TorchRunner) -> None:
+    def __init__(self, config: SpeculativeConfig, runner: TargetRunner) -> None:
         self.k = config.num_speculative_tokens or 1
         self.num_lookahead_tokens = self.k - 1  # depths 2..k write ahead of the target
         self.runner = runner

@@ -12,11 +12,23 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     from kvmesh.router.endpoints import Endpoint
-    from kvmesh.router.plugins.base import SchedulingRequest
+
+
+class RequestShape(Protocol):
+    """What a state is sized from (router.plugins.base.SchedulingRequest): the prompt's tokens,
+    the block size and the keys of its full blocks."""
+
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def block_keys(self) -> list[int]: ...
+
 
 # "not looked up": shared, read-only; an index's answer, even an empty one, is another object
 NO_MATCH: Mapping = MappingProxyType({})
@@ -77,7 +89,7 @@ class SchedulingState:
     _names: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
     @classmethod
-    def of(cls, req: SchedulingRequest) -> SchedulingState:
+    def of(cls, req: RequestShape) -> SchedulingState:
         keys = req.block_keys
         return cls(len(req.token_ids), req.block_size, len(keys), NO_MATCH, NO_MATCH, {})
 
