@@ -1,5 +1,5 @@
 """Where the router's CPU goes for one request, stage by stage, in process and without sockets
-(kvmesh.bench.router_path's harness: a client's bytes into the front door, a canned engine answer
+(benchmarks/router_path.py's harness: a client's bytes into the front door, a canned engine answer
 back). Each stage is a method of the request path timed by a wrapper (the process's CPU time around
 the call, so a busy host's waits do not count; the wrapper's own ~1 us a call lands in the
 stages around it); nested stages are inclusive, so a parent's own time is its figure minus its
@@ -31,7 +31,8 @@ import time
 from collections import defaultdict
 from contextlib import ExitStack, contextmanager
 
-from kvmesh.bench import router_path
+import router_path  # benchmarks/router_path.py, beside this script
+
 from kvmesh.bench.router_client import prompt_text
 from kvmesh.router import (
     approx_index,

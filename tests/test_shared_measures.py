@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvmesh.bench import loadgen, router_micro
+from kvmesh.bench import loadgen
 from kvmesh.bench import workloads as w
 from kvmesh.protocol.ceiling import block_contents, hit_ceiling, max_hit_blocks, runs_of
 from kvmesh.protocol.prom import parse_engine_load, parse_samples
@@ -22,6 +22,13 @@ from kvmesh.protocol.stats import percentile
 from kvmesh.protocol.trace import TRACE_BLOCK, arrival_offsets, parse_row, read_trace
 from kvmesh.sim import replay
 from kvmesh.sim.fleet import SimRecord
+
+
+def _scheduling_script():
+    from tests.test_bench_router_path import script
+
+    return script("router_scheduling")
+
 
 # --- percentiles --------------------------------------------------------------------------
 
@@ -51,7 +58,7 @@ def test_bench_and_sim_report_the_same_percentiles() -> None:
     bench = loadgen.summarize(records, 1.0, {}, {}, [])
     sims = [SimRecord(i, 0, 0.0, 10, first_token=v / 1000, finished=1.0) for i, v in enumerate(ms)]
     sim = replay.summarize(sims, 1)
-    micro = router_micro.summarize(ms)
+    micro = _scheduling_script().summarize(ms)  # benchmarks/router_scheduling.py
     for q in (50, 90, 99):
         assert bench[f"ttft_ms_p{q}"] == pytest.approx(want[q], abs=0.01)
         assert sim[f"ttft_ms_p{q}"] == pytest.approx(want[q], abs=0.1)

@@ -3,7 +3,8 @@
 Starts zero-latency emulated engines (`kvmesh serve --emulate N --emulate-ttft-ms 0
 --emulate-itl-ms 0`), then, one router at a time in front of the same fleet, measures the
 latency it adds over going straight to an engine, its highest sustained request rate and its
-CPU time per request; then times the kvmesh scheduling path in-process on a long prompt.
+CPU time per request. All of it over HTTP: the in-process micro-benchmarks of the router's
+scheduling and request path are scripts under benchmarks/.
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from pathlib import Path
 
 from kvmesh.bench.progress import BenchRun
 from kvmesh.bench.router_interleave import DIRECT, latencies, percentiles_ms, sample
-from kvmesh.bench.router_micro import run_micro
-from kvmesh.bench.router_path import run_path
 from kvmesh.bench.router_procs import (
     ALL_TARGETS,
     Proc,
@@ -49,19 +48,21 @@ EPILOG = """What is measured, for each fleet size and each router (one at a time
                  median of its N, the N in router.json
   --interleave   all routers run at once; latency request i goes through each in turn (and
                  straight to an engine), so host noise lands on all alike; CPU as above
-  scheduling     in-process: a --micro-tokens prompt over --micro-endpoints endpoints, kvmesh
-                 preset, precise index holding parts of the prefix on several endpoints;
-                 warm = prefix seen (tokenizer and block-hash caches hit), cold = from scratch
-  request path   in-process, no sockets: router CPU per request from the client's bytes to the
-                 answer's last byte (two endpoints answering at once), presets kvmesh,
-                 precise-prefix and round-robin, the small prompt repeated and new each time,
-                 and the 8k prompt with a new tail each time (a known prefix grown); the least
-                 of 3 rounds; repeats within a few percent, unlike the closed loop
+In process, not here (--micro-* and --no-micro are kept for old command lines):
+  scheduling     benchmarks/router_scheduling.py: a long prompt over many endpoints, kvmesh
+                 preset; warm = prefix seen, cold = from scratch (target: p50 <= 2 ms)
+  request path   benchmarks/router_path.py: router CPU per request, no sockets, per preset;
+                 benchmarks/router_path_stages.py: the same, stage by stage
 Pinned as in shared/reference/peers.md s7: engines + router on one CPU (taskset), this client on
 another. Peers run with warn-level logs. A peer that is not installed is skipped, with a note.
-Targets (shown, not asserted): added p50 <= 1 ms, scheduling <= 2 ms, vs the best peer.
+Targets (shown, not asserted): added p50 <= 1 ms, vs the best peer.
 Output: router.json and router.png in --out."""
+MOVED = "the scheduling micro-benchmark is benchmarks/router_scheduling.py"
 ALL_ROUTERS = ",".join(f"{t.kind}:{t.policy}" for t in ALL_TARGETS)
+IN_PROCESS = (
+    "scheduling and request path in process: .venv/bin/python benchmarks/router_scheduling.py, "
+    "benchmarks/router_path.py (see docs/benchmarks.md)"
+)
 FLAGS = (  # flag, type, default, help
     ("--engines", str, "2,4", "Fleet sizes (engines), comma-separated."),
     (
@@ -80,9 +81,9 @@ FLAGS = (  # flag, type, default, help
     ("--rounds", int, 1, "Rounds of every router in turn; each figure is its median over them."),
     ("--sglang-router-bin", str, None, "sglang-router executable (default: from PATH)."),
     ("--vllm-router-bin", str, None, "vllm-router executable (default: from PATH)."),
-    ("--micro-tokens", int, 16384, "Prompt tokens of the scheduling micro-benchmark."),
-    ("--micro-endpoints", int, 64, "Endpoints of the scheduling micro-benchmark."),
-    ("--micro-repeats", int, 200, "Warm repeats (cold: a tenth, at least 5)."),
+    ("--micro-tokens", int, 16384, f"Unused: {MOVED} --tokens."),
+    ("--micro-endpoints", int, 64, f"Unused: {MOVED} --endpoints."),
+    ("--micro-repeats", int, 200, f"Unused: {MOVED} --repeats."),
     ("--seed", int, 0, "Seed of prompts and synthetic state."),
     ("--out", Path, Path("bench-results/router"), "Output directory."),
 )
@@ -95,7 +96,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     for flag, kind, default, text in FLAGS:
         parser.add_argument(flag, type=kind, default=default, help=f"{text} [default: {default}]")
     parser.add_argument("--no-pin", action="store_true", help="Do not pin processes to CPUs.")
-    parser.add_argument("--no-micro", action="store_true", help="Skip the in-process part.")
+    parser.add_argument(
+        "--no-micro",
+        action="store_true",
+        help="No pointer to the in-process micro-benchmarks (benchmarks/router_scheduling.py, "
+        "benchmarks/router_path.py), which this command no longer runs.",
+    )
     parser.add_argument(
         "--interleave",
         action="store_true",
@@ -240,7 +246,6 @@ def _main(args: argparse.Namespace, bench: BenchRun) -> int:
             args.routers = "kvmesh:kvmesh"
         args.engines, args.requests = "2", 30
         args.duration, args.warmup = 1.0, 0.3
-        args.micro_repeats, args.micro_tokens = 10, 4096
     loop_names(args.loops)  # a bad name is refused before anything starts
     args.out.mkdir(parents=True, exist_ok=True)
     sizes = [int(x) for x in str(args.engines).split(",") if x.strip()]
@@ -262,7 +267,7 @@ def _main(args: argparse.Namespace, bench: BenchRun) -> int:
     for note in skipped:
         print(f"skipped: {note}", flush=True)
     rows_per_fleet = 1 + len(targets) * args.rounds
-    bench.total = len(sizes) * rows_per_fleet + (0 if args.no_micro else 2)
+    bench.total = len(sizes) * rows_per_fleet
     prefix, client_cpus, pin_note = pinning(not args.no_pin)
     result: dict = {
         "config": {
@@ -279,24 +284,6 @@ def _main(args: argparse.Namespace, bench: BenchRun) -> int:
             os.sched_setaffinity(0, client_cpus)
         for n in sizes:
             result["fleets"].append(run_fleet(n, targets, bins, prefix, args, bench))
-        if not args.no_micro:
-            bench.note("in-process scheduling micro-benchmark")
-            result["micro"] = run_micro(
-                args.micro_tokens,
-                args.micro_endpoints,
-                args.micro_repeats,
-                max(5, args.micro_repeats // 10),
-                500 if args.quick else 5000,
-                args.seed,
-            )
-            bench.add({"part": "micro", **result["micro"]}, "scheduling micro-benchmark")
-            bench.note("in-process request path")
-            result["path"] = run_path(
-                ["kvmesh", "precise-prefix", "round-robin"],
-                300 if args.quick else 10_000,
-                1 if args.quick else 3,
-            )
-            bench.add({"part": "path", **result["path"]}, "request path")
     finally:
         if before:
             os.sched_setaffinity(0, before)
@@ -304,6 +291,8 @@ def _main(args: argparse.Namespace, bench: BenchRun) -> int:
     (args.out / "router.json").write_text(json.dumps(result, indent=2))
     print_tables(result)
     plot(result, args.out / "router.png")
+    if not args.no_micro:
+        print(IN_PROCESS, flush=True)
     print(f"wrote {args.out / 'router.json'} and {args.out / 'router.png'}")
     failed = [f for fl in result["fleets"] for f in fl["failed"]]
     return 1 if failed and not any(fl["routers"] for fl in result["fleets"]) else 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 ADDED_TARGET_MS = 1.0
-SCHEDULE_TARGET_MS = 2.0
 CASE_TITLES = {
     "small": "small",
     "8k": "8k chars",
@@ -39,7 +38,7 @@ def _kvmesh(fleet: dict, policy: str = "kvmesh") -> dict | None:
 
 def targets_summary(result: dict) -> dict:
     """kvmesh (preset kvmesh) against the targets and the best peer of the same run."""
-    out: dict = {"added_p50_target_ms": ADDED_TARGET_MS, "schedule_target_ms": SCHEDULE_TARGET_MS}
+    out: dict = {"added_p50_target_ms": ADDED_TARGET_MS}
     for fleet in result["fleets"]:
         row: dict = {}
         km = _kvmesh(fleet)
@@ -67,12 +66,6 @@ def targets_summary(result: dict) -> dict:
                 if entry:
                     row[key + loop.removeprefix("throughput")] = entry
         out[f"engines_{fleet['engines']}"] = row
-    micro = result.get("micro")
-    if micro:
-        for phase in ("warm", "cold"):
-            p50 = micro[phase]["total_ms"]["p50"]
-            out[f"schedule_{phase}_p50_ms"] = p50
-            out[f"schedule_{phase}_meets_target"] = p50 <= SCHEDULE_TARGET_MS
     return out
 
 
@@ -132,48 +125,6 @@ def print_tables(result: dict) -> None:
                 f"{calls.get('/v1/completions/render')}, /tokenize -> {calls.get('/tokenize')}; "
                 "vllm-router cache_aware calls these on every worker for every request"
             )
-    micro = result.get("micro")
-    if micro:
-        t = Table(
-            title=(
-                f"in-process scheduling: {micro['prompt_tokens']} tokens "
-                f"({micro['blocks']} blocks), {micro['endpoints']} endpoints, preset "
-                f"kvmesh, {micro['index_entries']} index entries; ms p50 / p99"
-            )
-        )
-        for col in ("case", "total", "tokenize", "hash", "schedule", "repeats"):
-            t.add_column(col, justify="left" if col == "case" else "right")
-        for phase in ("warm", "cold"):
-            m = micro[phase]
-            t.add_row(
-                phase,
-                *(
-                    _cell(m[k], "p50", "p99", "{:.3f}")
-                    for k in ("total_ms", "tokenize_ms", "hash_ms", "schedule_ms")
-                ),
-                str(m["repeats"]),
-            )
-        con.print(t)
-    path = result.get("path")
-    if path:
-        t = Table(
-            title=(
-                "in-process request path (no sockets), router CPU us per request, the least of "
-                f"{path['rounds']} rounds of {path['requests']}"
-            )
-        )
-        cols = ("small prompt repeated", "small prompt new each time", "8k chars, new tail")
-        for col in ("preset", *cols):
-            t.add_column(col, justify="left" if col == "preset" else "right")
-        base = path["presets"].get("round-robin")
-        for preset, figures in path["presets"].items():
-            cells = []
-            for kind in ("repeated", "new", "extended"):
-                us = figures[kind]["us"]
-                over = base and preset != "round-robin"
-                cells.append(f"{us:.1f}" + (f" (+{us - base[kind]['us']:.1f})" if over else ""))
-            t.add_row(preset, *cells)
-        con.print(t)
     _print_targets(con, result["targets"])
 
 
@@ -207,14 +158,6 @@ def _print_targets(con, tg: dict) -> None:
                 if "kvmesh" in e:
                     peer = f"{e['best_peer']} {e['best_peer_value']}" if "best_peer" in e else "-"
                     t.add_row(f"{n} eng: {title}, {what}", str(e["kvmesh"]), peer, "")
-    for phase in ("warm", "cold"):
-        if f"schedule_{phase}_p50_ms" in tg:
-            t.add_row(
-                f"scheduling p50, {phase} (ms)",
-                f"{tg[f'schedule_{phase}_p50_ms']:.3f}",
-                f"<= {SCHEDULE_TARGET_MS}",
-                "yes" if tg[f"schedule_{phase}_meets_target"] else "NO",
-            )
     con.print(t)
 
 
@@ -225,8 +168,8 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [(f"{r['router']} @{f['engines']}", r) for f in result["fleets"] for r in f["routers"]]
-    fig, axes = plt.subplots(2, 2, figsize=(15, 10))
-    ax = axes[0][0]
+    fig, axes = plt.subplots(1, 3, figsize=(21, 6))
+    ax = axes[0]
     width = 0.8 / len(CASE_TITLES)
     xs = range(len(rows))
     for j, (case, title) in enumerate(CASE_TITLES.items()):
@@ -240,8 +183,8 @@ def plot(result: dict, path: Path) -> None:
     )
     ax.legend(fontsize=8)
     for ax, key, title in (
-        (axes[0][1], "req_s", "req/s, closed loop C=32, a new small prompt each"),
-        (axes[1][0], "router_cpu_us_per_req", "router CPU µs / request, a new small prompt each"),
+        (axes[1], "req_s", "req/s, closed loop C=32, a new small prompt each"),
+        (axes[2], "router_cpu_us_per_req", "router CPU µs / request, a new small prompt each"),
     ):
         labels = [n for n, _ in rows]
         vals = [r.get("throughput", {}).get(key, 0.0) for _, r in rows]
@@ -251,21 +194,6 @@ def plot(result: dict, path: Path) -> None:
         ax.tick_params(axis="x", labelrotation=35, labelsize=8)
         for lbl in ax.get_xticklabels():
             lbl.set_ha("right")
-    ax = axes[1][1]
-    micro = result.get("micro")
-    if micro:
-        names = ["tokenize_ms", "hash_ms", "schedule_ms", "total_ms"]
-        for j, phase in enumerate(("warm", "cold")):
-            vals = [micro[phase][k]["p50"] for k in names]
-            ax.bar([x + j * 0.4 for x in range(len(names))], vals, 0.4, label=f"{phase} p50")
-        ax.axhline(SCHEDULE_TARGET_MS, color="red", ls="--", lw=1, label="target")
-        ax.set_yscale("log")
-        ax.set_xticks([x + 0.2 for x in range(len(names))], [n[:-3] for n in names])
-        ax.set_title(
-            f"scheduling {micro['prompt_tokens']} tokens over {micro['endpoints']} "
-            "endpoints (ms, log)"
-        )
-        ax.legend(fontsize=8)
     fig.suptitle(f"kvmesh bench router ({result['pinning']})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -1,6 +1,9 @@
 """In-process micro-benchmark of the router's scheduling path: a long prompt over many endpoints
 with the `kvmesh` preset, through the router's own tokenizer cache, block hashing and pipeline.
 
+    .venv/bin/python benchmarks/router_scheduling.py [--tokens 16384] [--endpoints 64]
+        [--repeats 200] [--json]
+
 warm: the prompt was seen before (text and block-hash caches hit); cold: a fresh tokenizer
 cache, so the prompt is tokenized and hashed from scratch. The precise index holds the prompt's
 leading blocks on several endpoints (different lengths, some on CPU) plus unrelated blocks on
@@ -9,6 +12,8 @@ every endpoint; the approximate index holds a shorter prefix on a few.
 
 from __future__ import annotations
 
+import argparse
+import json
 import random
 import statistics
 import time
@@ -62,7 +67,6 @@ def run_micro(
     noise_blocks: int = 5000,
     seed: int = 0,
 ) -> dict:
-    # the bench talks HTTP; this micro-benchmark alone drives the router's code in-process
     from kvmesh.protocol.tokenizer import load_tokenizer
     from kvmesh.router.approx_index import ApproximateIndex
     from kvmesh.router.endpoints import Endpoint
@@ -128,3 +132,48 @@ def run_micro(
             "chosen": chosen,
         }
     return result
+
+
+TARGET_MS = 2.0  # scheduling p50, warm and cold
+
+
+def print_table(micro: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(
+        title=(
+            f"in-process scheduling: {micro['prompt_tokens']} tokens ({micro['blocks']} blocks), "
+            f"{micro['endpoints']} endpoints, preset kvmesh, {micro['index_entries']} index "
+            f"entries; ms p50 / p99 (target: total p50 <= {TARGET_MS})"
+        )
+    )
+    for col in ("case", "total", "tokenize", "hash", "schedule", "repeats"):
+        t.add_column(col, justify="left" if col == "case" else "right")
+    for phase in ("warm", "cold"):
+        m = micro[phase]
+        parts = ("total_ms", "tokenize_ms", "hash_ms", "schedule_ms")
+        cells = (f"{m[k]['p50']:.3f} / {m[k]['p99']:.3f}" for k in parts)
+        t.add_row(phase, *cells, str(m["repeats"]))
+    Console().print(t)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--tokens", type=int, default=16384, help="prompt tokens")
+    p.add_argument("--endpoints", type=int, default=64, help="endpoints to pick from")
+    p.add_argument("--repeats", type=int, default=200, help="warm repeats (cold: a tenth, >= 5)")
+    p.add_argument("--noise-blocks", type=int, default=5000, help="unrelated blocks per endpoint")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    args = p.parse_args()
+    cold = max(5, args.repeats // 10)
+    micro = run_micro(args.tokens, args.endpoints, args.repeats, cold, args.noise_blocks, args.seed)
+    if args.json:
+        print(json.dumps(micro, indent=2))
+    else:
+        print_table(micro)
+
+
+if __name__ == "__main__":
+    main()

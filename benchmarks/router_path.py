@@ -10,10 +10,16 @@ Two endpoints, each with idle keep-alive connections that answer at once; one cl
 connection, one request at a time; `repeated`: the closed loop's small prompt every time (its
 token ids and block keys come from the router's caches), `new`: a prompt not seen before each
 time (tokenized and hashed), `extended`: the latency cases' ~8,000-character prompt with a new
-tail each time (an agent's next turn: its known prefix is reused, only the tail is encoded)."""
+tail each time (an agent's next turn: its known prefix is reused, only the tail is encoded).
+
+    .venv/bin/python benchmarks/router_path.py [--presets kvmesh,precise-prefix,round-robin]
+        [-n 10000] [--rounds 3] [--json]
+
+benchmarks/router_path_stages.py breaks the same path down stage by stage."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import time
@@ -154,3 +160,46 @@ def run_path(presets: list[str], n: int, rounds: int, tokenizer=None) -> dict:
             runs = figures[kind]
             figures[kind] = {"us": min(runs), "runs": runs}
     return out
+
+
+def print_table(path: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(
+        title=(
+            "in-process request path (no sockets), router CPU us per request, the least of "
+            f"{path['rounds']} rounds of {path['requests']}"
+        )
+    )
+    cols = ("small prompt repeated", "small prompt new each time", "8k chars, new tail")
+    for col in ("preset", *cols):
+        t.add_column(col, justify="left" if col == "preset" else "right")
+    base = path["presets"].get("round-robin")
+    for preset, figures in path["presets"].items():
+        cells = []
+        for kind in ("repeated", "new", "extended"):
+            us = figures[kind]["us"]
+            over = base and preset != "round-robin"
+            cells.append(f"{us:.1f}" + (f" (+{us - base[kind]['us']:.1f})" if over else ""))
+        t.add_row(preset, *cells)
+    Console().print(t)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--presets", default="kvmesh,precise-prefix,round-robin", help="router presets")
+    p.add_argument("-n", type=int, default=10_000, help="timed requests per round")
+    p.add_argument("--rounds", type=int, default=3, help="rounds; each figure is their least")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    args = p.parse_args()
+    presets = [x.strip() for x in args.presets.split(",") if x.strip()]
+    path = run_path(presets, args.n, args.rounds)
+    if args.json:
+        print(json.dumps(path, indent=2))
+    else:
+        print_table(path)
+
+
+if __name__ == "__main__":
+    main()
