@@ -187,3 +187,21 @@ def test_a_full_batch_sheds_requests_that_share_its_prefix(tokenizer):
     without = replay.summarize(FleetSim(cfg, blind, tokenizer).run(requests), 3)
     assert min(preset["load"]) > 0 and min(without["load"]) == 0
     assert preset["ttft_ms_p90"] < without["ttft_ms_p90"]
+
+
+def test_prompts_sharing_a_run_share_its_int_objects() -> None:
+    from kvmesh.protocol.hashing import BlockHasher
+    from kvmesh.sim.digests import PromptDigests, RunInts
+    from kvmesh.sim.records import run_tokens
+
+    digests = PromptDigests(BlockHasher("sha256", 16))
+    system, tools = (1_000_000, 300), (2_000_000, 200)
+    first = digests.prepare((system, tools, (3_000_000, 50)))
+    second = digests.prepare((system, (4_000_000, 40)))  # not an extension of the first
+    assert first.token_ids == run_tokens((system, tools, (3_000_000, 50)))
+    assert second.token_ids == run_tokens((system, (4_000_000, 40)))
+    assert all(a is b for a, b in zip(first.token_ids[:300], second.token_ids[:300], strict=True))
+    # the kept runs stay within their capacity, the newest kept
+    ints = RunInts(capacity_tokens=100)
+    assert ints.extend(((10_000, 60), (20_000, 60)), []) == run_tokens(((10_000, 60), (20_000, 60)))
+    assert ints.tokens == 60 and ints.extend(((20_000, 60),), [])[0] == 20_000

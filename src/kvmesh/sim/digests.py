@@ -19,9 +19,37 @@ from collections import OrderedDict
 from typing import NamedTuple
 
 from kvmesh.protocol.hashing import BlockHasher, block_hash_to_int
-from kvmesh.sim.records import run_tokens
 
 Runs = tuple[tuple[int, int], ...]
+
+
+class RunInts:
+    """The token ids of runs (first id, count) as int objects shared by every prompt holding
+    the same run: one list per run, in an LRU of at most `capacity_tokens` tokens. A run many
+    prompts share (a system prompt, tool definitions, a repository) then has one int object per
+    token in every engine's token lists, prefix cache and tiers, instead of one per prompt.
+    Only memory changes: the ids are the same values."""
+
+    def __init__(self, capacity_tokens: int = 1 << 22) -> None:
+        self.capacity_tokens = capacity_tokens
+        self.tokens = 0  # over the kept runs
+        self._runs: OrderedDict[tuple[int, int], list[int]] = OrderedDict()
+
+    def extend(self, runs: Runs, into: list[int]) -> list[int]:
+        """`into` with the token ids of `runs` appended."""
+        kept = self._runs
+        for run in runs:
+            ids = kept.get(run)
+            if ids is None:
+                first, n = run
+                ids = kept[run] = list(range(first, first + n))
+                self.tokens += n
+                while self.tokens > self.capacity_tokens and len(kept) > 1:
+                    self.tokens -= len(kept.popitem(last=False)[1])
+            else:
+                kept.move_to_end(run)
+            into += ids
+        return into
 
 
 class Prompt(NamedTuple):
@@ -46,6 +74,7 @@ class PromptDigests:
         self.capacity_blocks = capacity_blocks
         self.blocks = 0  # blocks over the cached entries
         self._memo: OrderedDict[Runs, Prompt] = OrderedDict()
+        self.run_ints = RunInts()
         self.blocks_hashed = 0
         self.blocks_reused = 0
 
@@ -66,10 +95,10 @@ class PromptDigests:
             if known is not None:
                 m = len(known.token_ids) // bs  # blocks wholly inside the known prompt
                 digests, ints = known.digests[:m], known.ints[:m]
-                tokens = run_tokens(runs[k:], known.token_ids.copy())
+                tokens = self.run_ints.extend(runs[k:], known.token_ids.copy())
                 break
         if tokens is None:
-            tokens = run_tokens(runs)
+            tokens = self.run_ints.extend(runs, [])
         fresh = self.hasher.hash_blocks(tokens, len(digests), digests[-1] if digests else None)
         self.blocks_reused += len(digests)
         self.blocks_hashed += len(fresh)
