@@ -36,7 +36,7 @@ from collections import Counter
 from itertools import chain
 from pathlib import Path
 
-from kvmesh.bench.chaos_procs import port_block
+from kvmesh.bench.fleet_procs.ports import port_block
 from kvmesh.bench.guidellm_report import failures, parse_report, summarize, table
 from kvmesh.bench.kv_regime import cache_tokens, regime, regime_line
 

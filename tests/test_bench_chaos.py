@@ -222,7 +222,8 @@ def test_a_retried_request_is_lost_to_a_client_without_retries() -> None:
 def test_the_runs_ports_can_be_chosen(tmp_path: Path, capsys) -> None:
     import socket
 
-    from kvmesh.bench.chaos_procs import Fleet, port_block, ports_needed
+    from kvmesh.bench.chaos_procs import Fleet, ports_needed
+    from kvmesh.bench.fleet_procs.ports import port_block
 
     parser = argparse.ArgumentParser()
     chaos.add_args(parser)

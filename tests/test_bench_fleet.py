@@ -108,7 +108,7 @@ def test_single_url_agentic_command(tmp_path: Path, tokenizer) -> None:
 def test_engines_without_reset_get_fresh_prompts_per_policy(monkeypatch, tmp_path: Path) -> None:
     """Real vLLM outside dev mode has no /reset_prefix_cache: each later policy then runs the
     same workload shape in words of its own, so no policy meets another's warm cache."""
-    from kvmesh.bench.router_procs import Target
+    from kvmesh.bench.fleet_procs.routers import Target
     from kvmesh.bench.workloads import shared_prefix
 
     seen: list[tuple[int, str]] = []
@@ -140,7 +140,7 @@ def test_engines_without_reset_get_fresh_prompts_per_policy(monkeypatch, tmp_pat
 
 def test_router_port_puts_the_policies_routers_on_chosen_ports(monkeypatch, tmp_path) -> None:
     """--router-port P: the i-th policy's router on P + i; unset, a free port each (0)."""
-    from kvmesh.bench.router_procs import Target
+    from kvmesh.bench.fleet_procs.routers import Target
 
     ports: list[int] = []
 
@@ -177,7 +177,7 @@ def test_router_port_puts_the_policies_routers_on_chosen_ports(monkeypatch, tmp_
 def test_start_healthy_listens_on_the_port_given(tmp_path) -> None:
     import sys
 
-    from kvmesh.bench.router_procs import start_healthy
+    from kvmesh.bench.fleet_procs.procs import start_healthy
     from tests.helpers import free_port
 
     server = (
@@ -200,7 +200,7 @@ def test_start_healthy_listens_on_the_port_given(tmp_path) -> None:
 def test_without_reset_every_policy_gets_prompts_no_other_shares(monkeypatch, tmp_path) -> None:
     """No /reset_prefix_cache (vLLM outside dev mode): no request of one policy shares even a
     short prefix with a request of another, so none can hit another's cached blocks."""
-    from kvmesh.bench.router_procs import Target
+    from kvmesh.bench.fleet_procs.routers import Target
     from kvmesh.bench.workloads import agentic
 
     prefixes: dict[str, set[str]] = {}
@@ -238,7 +238,7 @@ async def test_busy_is_read_only_from_kvmesh_engines_and_shown_unknown_else() ->
     import aiohttp
     from aiohttp import web
 
-    from kvmesh.bench.fleet_engines import kvmesh_engines
+    from kvmesh.bench.engine_probes import kvmesh_engines
 
     asked: list[str] = []
 

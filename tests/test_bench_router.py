@@ -124,8 +124,8 @@ def test_envoy_with_the_kvmesh_picker_is_a_router_row_not_a_peer(tmp_path) -> No
     """`envoy:PRESET` runs Envoy in front of the engines with kvmesh as its ext_proc picker; it
     is reported beside kvmesh's own proxy and never counted as the best peer."""
     from kvmesh.bench.envoy_epp import envoy_config
+    from kvmesh.bench.fleet_procs.routers import Target, router_command
     from kvmesh.bench.router_bench import _targets
-    from kvmesh.bench.router_procs import Target, router_command
     from kvmesh.bench.router_report import _peers
 
     (t,) = _targets("envoy:kvmesh")
@@ -162,8 +162,8 @@ def test_another_checkouts_kvmesh_is_a_router_row_of_its_own(tmp_path) -> None:
     path), so two versions are measured in one run; anything else after @ is refused."""
     import pytest
 
+    from kvmesh.bench.fleet_procs.routers import router_command
     from kvmesh.bench.router_bench import _targets
-    from kvmesh.bench.router_procs import router_command
 
     (tmp_path / "kvmesh").mkdir()
     (t,) = _targets(f"kvmesh@{tmp_path}:kvmesh")

@@ -68,7 +68,7 @@ def test_main_writes_the_config_for_the_ports_given(capsys) -> None:
 
 @pytest.mark.parametrize("body_mode", sorted(BODY_MODES))
 def test_envoy_accepts_the_config(body_mode: str, tmp_path: Path) -> None:
-    from kvmesh.bench.router_procs import envoy_binary
+    from kvmesh.bench.fleet_procs.routers import envoy_binary
 
     binary = envoy_binary()
     if binary is None:

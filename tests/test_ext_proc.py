@@ -27,7 +27,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2_grpc import (  # noqa: E40
     ExternalProcessorStub,
 )
 
-from kvmesh.bench.router_procs import envoy_binary  # noqa: E402
+from kvmesh.bench.fleet_procs.routers import envoy_binary  # noqa: E402
 from kvmesh.router.app import Router, RouterConfig, start_router  # noqa: E402
 from kvmesh.router.envoy_config import envoy_config  # noqa: E402
 from kvmesh.router.ext_proc import DESTINATION, METADATA_NAMESPACE  # noqa: E402

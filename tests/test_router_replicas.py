@@ -84,7 +84,7 @@ async def test_balancer_front_takes_upstreams_in_turn_and_passes_headers_on() ->
     from aiohttp import web
 
     from kvmesh.bench import rr_front
-    from kvmesh.bench.router_procs import free_port
+    from kvmesh.bench.fleet_procs.ports import free_port
 
     async def upstream(name: str) -> tuple[web.AppRunner, str]:
         async def answer(request: web.Request) -> web.StreamResponse:

@@ -64,11 +64,11 @@ from kvmesh.bench.chaos_procs import (
     read_fault_counts,
     set_faults,
     start_fleet,
-    taken_ports,
     wait_ready,
 )
+from kvmesh.bench.fleet_procs.ports import taken_ports
+from kvmesh.bench.fleet_procs.procs import ENV
 from kvmesh.bench.progress import BenchRun
-from kvmesh.bench.router_procs import ENV
 
 PHASES = ("baseline", "engine-restart", "router-restart", "drop-events", "errors", "hang", "stall")
 PHASES += ("recovery",)

@@ -8,12 +8,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
-import os
-import random
-import signal
-import socket
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,8 +16,10 @@ import aiohttp
 
 from kvmesh.bench.chaos_metrics import Sample, parse_router_metrics
 from kvmesh.bench.chaos_report import Result
-from kvmesh.bench.fleet_engines import ADMIN_KEY, admin_headers
-from kvmesh.bench.router_procs import Proc, Target, router_command, stop_all
+from kvmesh.bench.fleet_procs.engines import ENGINE_ENV, serve_command
+from kvmesh.bench.fleet_procs.ports import port_block
+from kvmesh.bench.fleet_procs.procs import Proc, admin_headers, stop_all
+from kvmesh.bench.fleet_procs.routers import Target, router_command
 
 POLL_S = 0.05  # the router's /metrics, and /health while waiting for a start
 
@@ -43,37 +39,10 @@ async def client_sessions(args: argparse.Namespace):
         yield http, ctl
 
 
-def port_block(count: int) -> int:
-    """A base P with P..P+count-1 free, below Linux's ephemeral ports (32768 up), so that no
-    outgoing connection takes the port of an engine while it is down for a restart."""
-    for _ in range(200):
-        base = random.randrange(10_000, 32_000 - count)
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as s:
-                    s.bind(("0.0.0.0", port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError(f"no {count} free ports in a row below 32000")
-
-
 def ports_needed(engines: int) -> int:
     """Ports from the base: engine i's KV events base+2i, its replay base+2i+1, its HTTP
     base+2n+i; the router's HTTP base+3n."""
     return 3 * engines + 1
-
-
-def taken_ports(base: int, count: int, host: str = "127.0.0.1") -> list[int]:
-    """Of base .. base+count-1, the ports that cannot be bound now."""
-    taken = []
-    for port in range(base, base + count):
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                taken.append(port)
-    return taken
 
 
 class Fleet:
@@ -84,18 +53,9 @@ class Fleet:
         n, self.out = args.engines, out
         base = args.base_port or port_block(ports_needed(n))
         self.urls = [f"http://127.0.0.1:{base + 2 * n + i}" for i in range(n)]
-        self.cmds = []
-        for i in range(n):
-            events = {"enable_kv_cache_events": True, "publisher": "zmq"}
-            events |= {"endpoint": f"tcp://*:{base + 2 * i}"}
-            events |= {"replay_endpoint": f"tcp://*:{base + 2 * i + 1}"}
-            # the admin key travels in the environment, never on a command line
-            cmd = ["env", f"KVMESH_ADMIN_API_KEY={ADMIN_KEY}", sys.executable, "-m", "kvmesh.cli"]
-            cmd += ["--log-level", "WARNING", "serve", "--emulate", "1", "--host", "127.0.0.1"]
-            cmd += ["--port", str(base + 2 * n + i), "--kv-events-config", json.dumps(events)]
-            cmd += ["--emulate-gpu", args.emulate_gpu, "--emulate-model", args.emulate_model]
-            cmd += ["--emulate-time-scale", f"{args.emulate_time_scale:g}"]
-            self.cmds.append(cmd + args.serve_args.split())
+        flags = ["--emulate-gpu", args.emulate_gpu, "--emulate-model", args.emulate_model]
+        flags += ["--emulate-time-scale", f"{args.emulate_time_scale:g}", *args.serve_args.split()]
+        self.cmds = [serve_command(1, base + 2 * n + i, flags, base + 2 * i) for i in range(n)]
         port = base + 3 * n
         self.router_url = f"http://127.0.0.1:{port}"
         self.router_cmd = router_command(
@@ -107,7 +67,7 @@ class Fleet:
 
     def _start(self, cmd: list[str], name: str) -> Proc:
         k = self.starts[name] = self.starts.get(name, -1) + 1
-        return Proc(cmd, self.out / f"{name}{f'.{k}' if k else ''}.log")
+        return Proc(cmd, self.out / f"{name}{f'.{k}' if k else ''}.log", ENGINE_ENV)
 
     def start_engine(self, i: int) -> Proc:
         self.engines[i] = self._start(self.cmds[i], f"engine-{i}")
@@ -120,10 +80,8 @@ class Fleet:
     @staticmethod
     def kill(proc: Proc | None) -> None:
         """SIGKILL to the process group, as a crash: no cleanup, no goodbye on any socket."""
-        if proc is not None and proc.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.popen.pid, signal.SIGKILL)
-            proc.popen.wait()
+        if proc is not None:
+            proc.kill()
 
     def stop(self) -> None:
         stop_all(p for p in [self.router, *self.engines] if p is not None)

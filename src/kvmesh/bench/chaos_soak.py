@@ -28,8 +28,8 @@ from kvmesh.bench.chaos_hostile import CLASSES, PARTIAL_TIMEOUT_S, HostileRecord
 from kvmesh.bench.chaos_load import drive
 from kvmesh.bench.chaos_metrics import parse_router_metrics
 from kvmesh.bench.chaos_procs import Fleet, State, client_sessions, start_fleet
+from kvmesh.bench.fleet_procs.procs import ENV
 from kvmesh.bench.progress import BenchRun
-from kvmesh.bench.router_procs import ENV
 
 RECORDS = "hostile-records.json"  # the hostile process's records, beside the logs
 # (flag, type, default, --quick default, help)

@@ -15,8 +15,6 @@ import json
 import math
 import os
 import random
-import re
-import subprocess
 import sys
 import textwrap
 import time
@@ -26,11 +24,11 @@ from pathlib import Path
 import aiohttp
 
 from kvmesh.bench.emulation_report import diagnose, div, plot, print_table
-from kvmesh.bench.fleet_engines import ADMIN_KEY, admin_headers
+from kvmesh.bench.fleet_procs.engines import ENGINE_ENV, serve_command, wait_for_urls
+from kvmesh.bench.fleet_procs.procs import Proc, admin_headers, stop_all
 from kvmesh.bench.progress import BenchRun
 
 TARGET = 0.10  # |measured / predicted - 1| within this is faithful
-URL_RE = re.compile(r"(http://[\w.\-]+:\d+)/v1")
 WORDS = (  # noqa: SIM905
     "the of and to in is was for that with as on by at from they this which had are not be one"
     " all were we when there can an your said if do will each about how up out them then she many"
@@ -84,44 +82,21 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def start_engines(
     args: argparse.Namespace, count: int, streams: int, scale: float = 1.0
-) -> tuple[list, list[str]]:
+) -> tuple[list[Proc], list[str]]:
     """`kvmesh serve --emulate n` in --engine-procs processes; their base URLs once printed."""
     nprocs = max(1, min(args.engine_procs, count))
     counts = [count // nprocs + (j < count % nprocs) for j in range(nprocs)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
-    env["KVMESH_ADMIN_API_KEY"] = ADMIN_KEY  # /admin/timing: see timing()
-    procs, logs = [], []
-    for j, n in enumerate(counts):
-        port = args.port + sum(counts[:j]) if args.port else 0
-        cmd = [sys.executable, "-m", "kvmesh.cli", "serve", "--emulate", str(n), "--host"]
-        cmd += ["127.0.0.1", "--port", str(port), "--emulate-gpu", args.gpu, "--emulate-model"]
-        cmd += [args.model, "--max-num-seqs", str(max(64, streams))]
-        cmd += ["--emulate-time-scale", str(scale)]
-        logs.append(args.out / f"engines-{j}-x{scale:g}.log")
-        with open(logs[-1], "wb") as log:
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
-    deadline = time.monotonic() + 300
-    while True:
-        found = [URL_RE.findall(p.read_text(errors="replace")) for p in logs]
-        if all(len(u) >= n for u, n in zip(found, counts, strict=True)):
-            return procs, [u for us, n in zip(found, counts, strict=True) for u in us[:n]]
-        dead = [g for p, g in zip(procs, logs, strict=True) if p.poll() is not None]
-        if dead or time.monotonic() > deadline:
-            stop_engines(procs)
-            log = (dead or logs)[0].read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"emulated engines did not start:\n{log}")
-        time.sleep(0.2)
-
-
-def stop_engines(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        p.terminate()  # a no-op once it has exited
-    for p in procs:
-        try:
-            p.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+    flags = ["--emulate-gpu", args.gpu, "--emulate-model", args.model]
+    flags += ["--max-num-seqs", str(max(64, streams)), "--emulate-time-scale", str(scale)]
+    procs = [
+        Proc(
+            serve_command(n, args.port + sum(counts[:j]) if args.port else 0, flags),
+            args.out / f"engines-{j}-x{scale:g}.log",
+            ENGINE_ENV,  # /admin/timing: see timing()
+        )
+        for j, n in enumerate(counts)
+    ]
+    return procs, wait_for_urls(procs, counts, 300)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -247,7 +222,7 @@ async def run_phase(
 ) -> dict:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
         before = await asyncio.gather(*(timing(http, u) for u in urls))
-        cpu0 = [cpu_seconds(p.pid) for p in procs], time.process_time(), machine_cpu()
+        cpu0 = [cpu_seconds(p.popen.pid) for p in procs], time.process_time(), machine_cpu()
         lags: list[float] = []
         lag_task = asyncio.create_task(loop_lag(lags))
         stats = [Stat() for _ in urls]
@@ -261,7 +236,7 @@ async def run_phase(
         )
         wall = time.perf_counter() - t0
         lag_task.cancel()
-        cpu1 = [cpu_seconds(p.pid) for p in procs], time.process_time(), machine_cpu()
+        cpu1 = [cpu_seconds(p.popen.pid) for p in procs], time.process_time(), machine_cpu()
         after = await asyncio.gather(*(timing(http, u) for u in urls))
     per_engine, total = [], Stat()
     for u, st, b, a in zip(urls, stats, before, after, strict=True):
@@ -328,7 +303,7 @@ def _main(args: argparse.Namespace, bench: BenchRun) -> int:
     phases, nprocs = {}, 0
     bench.total = sum(len(group) for group in plan.values())
     for scale, group in plan.items():
-        procs: list[subprocess.Popen] = []
+        procs: list[Proc] = []
         try:
             counts = [n for n, _ in group.values()], [s for _, s in group.values()]
             bench.note(f"starting {max(counts[0])} emulated engines (time scale {scale:g})")
@@ -339,7 +314,7 @@ def _main(args: argparse.Namespace, bench: BenchRun) -> int:
             print(f"kvmesh bench emulation: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 1
         finally:
-            stop_engines(procs)
+            stop_all(procs)
     for ph in phases.values():
         ph["notes"] = diagnose(ph)
     names = [f[2:].replace("-", "_") for f, *_ in FLAGS] + ["quick"]

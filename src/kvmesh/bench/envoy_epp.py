@@ -5,7 +5,7 @@ It starts `kvmesh router --ext-proc-port` and Envoy with docs/envoy-ext-proc.yam
 Inference Extension's data path: an ORIGINAL_DST cluster routing on the picker's header), Envoy
 listening on P. Both stay in this process's group, so the bench's stop (a signal to the group)
 ends them and its CPU reading (the group and its descendants) counts them both. Exits when either
-exits, taking the other with it. bench.router_procs, the launcher of the routers under test,
+exits, taking the other with it. bench.fleet_procs.routers, the launcher of the routers under test,
 finds Envoy and its config (envoy_binary, DOC_CONFIG) and starts this module as a process.
 """
 
@@ -21,7 +21,8 @@ from pathlib import Path
 
 import yaml
 
-from kvmesh.bench.router_procs import DOC_CONFIG, envoy_binary, free_port
+from kvmesh.bench.fleet_procs.ports import free_port
+from kvmesh.bench.fleet_procs.routers import DOC_CONFIG, envoy_binary
 
 
 def envoy_config(listen_port: int, ext_proc_port: int) -> dict:

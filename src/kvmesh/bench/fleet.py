@@ -21,17 +21,17 @@ from pathlib import Path
 from rich.console import Console
 
 from kvmesh.bench import cli_args, loadgen, replicas
-from kvmesh.bench.fleet_engines import (
+from kvmesh.bench.engine_probes import (
     engine_timing,
     kv_move_counters,
     kvmesh_engines,
     reset_caches,
     router_metrics,
-    start_engines,
 )
 from kvmesh.bench.fleet_plot import plot
+from kvmesh.bench.fleet_procs.engines import start_fleet_engines
+from kvmesh.bench.fleet_procs.routers import Target, peer_bin, start_router
 from kvmesh.bench.progress import BenchRun
-from kvmesh.bench.router_procs import Target, peer_bin, start_router
 from kvmesh.bench.workloads import hit_ceiling
 
 POLICIES = "round-robin,random,load,approx-prefix,precise-prefix,kvmesh"
@@ -320,7 +320,7 @@ def _main(args: argparse.Namespace, bench: BenchRun) -> int:
                 f"starting {n} emulated engines ({args.emulate_model} on {args.emulate_gpu}){label}"
             )
             log = f"engines-{variant}.log" if variant else "engines.log"
-            engines_proc, urls = start_engines(args, n, out, flags, log)
+            engines_proc, urls = start_fleet_engines(args, n, out, flags, log)
         try:
             got, notes = run_policies(
                 args, wl, urls, targets, bins, out, bench, f"@{variant}" if variant else ""

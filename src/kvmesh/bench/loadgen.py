@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import aiohttp
 from rich.table import Table
 
-from kvmesh.bench.fleet_engines import admin_headers, kvmesh_engines
+from kvmesh.bench.engine_probes import kvmesh_engines
+from kvmesh.bench.fleet_procs.procs import admin_headers
 from kvmesh.bench.http_load import first_model
 from kvmesh.bench.progress import LineProgress
 from kvmesh.bench.workloads import VOCAB, Request, Workload

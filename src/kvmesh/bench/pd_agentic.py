@@ -20,9 +20,10 @@ from pathlib import Path
 import yaml
 
 from kvmesh.bench import loadgen
-from kvmesh.bench.fleet_engines import reset_caches, router_metrics, start_engines
+from kvmesh.bench.engine_probes import reset_caches, router_metrics
+from kvmesh.bench.fleet_procs.engines import start_fleet_engines
+from kvmesh.bench.fleet_procs.procs import Proc, start_healthy
 from kvmesh.bench.progress import BenchRun
-from kvmesh.bench.router_procs import Proc, start_healthy
 from kvmesh.bench.workloads import Workload
 
 TRANSFER = json.dumps(
@@ -154,7 +155,7 @@ def run_configurations(
         emulate_time_scale=scale,
         serve_args=f"--kv-transfer-config {TRANSFER}",
     )
-    engines, urls = start_engines(engine_args, 4, out)
+    engines, urls = start_fleet_engines(engine_args, 4, out)
     rows: dict[str, dict] = {}
     notes: list[str] = []
     try:

@@ -27,9 +27,10 @@ from pathlib import Path
 
 from rich.table import Table
 
-from kvmesh.bench.fleet_engines import kvmesh_engines, reset_caches
+from kvmesh.bench.engine_probes import kvmesh_engines, reset_caches
+from kvmesh.bench.fleet_procs.procs import Proc, start_healthy, stop_all
+from kvmesh.bench.fleet_procs.routers import Target, start_router
 from kvmesh.bench.progress import BenchRun
-from kvmesh.bench.router_procs import Proc, Target, start_healthy, start_router, stop_all
 from kvmesh.protocol.prom import parse_samples
 
 MAX_REPLICAS = 16

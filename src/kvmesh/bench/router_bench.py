@@ -16,20 +16,19 @@ import textwrap
 import time
 from pathlib import Path
 
-from kvmesh.bench.progress import BenchRun
-from kvmesh.bench.router_interleave import DIRECT, latencies, percentiles_ms, sample
-from kvmesh.bench.router_procs import (
+from kvmesh.bench.fleet_procs.engines import zero_latency_engines
+from kvmesh.bench.fleet_procs.procs import Proc, stop_all
+from kvmesh.bench.fleet_procs.routers import (
     ALL_TARGETS,
-    Proc,
     Target,
     peer_bin,
     pinning,
     post_status,
     served_model,
-    start_engines,
     start_router,
-    stop_all,
 )
+from kvmesh.bench.progress import BenchRun
+from kvmesh.bench.router_interleave import DIRECT, latencies, percentiles_ms, sample
 from kvmesh.bench.router_report import plot, print_tables, targets_summary
 from kvmesh.bench.router_rounds import loop_names, measure_loops, median_rows
 from kvmesh.protocol.wording import plural
@@ -189,7 +188,7 @@ def run_fleet(
     n: int, targets: list[Target], bins: dict, prefix: list[str], args, bench: BenchRun
 ) -> dict:
     bench.note(f"starting {plural(n, 'engine')}")
-    engines, urls = start_engines(n, prefix, args.out)
+    engines, urls = zero_latency_engines(n, prefix, args.out)
     fleet: dict = {"engines": n, "urls": urls, "routers": [], "failed": []}
     try:
         model = served_model(urls[0])

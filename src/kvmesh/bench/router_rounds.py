@@ -9,8 +9,8 @@ import asyncio
 import contextlib
 import statistics
 
+from kvmesh.bench.fleet_procs.procs import Proc
 from kvmesh.bench.router_client import closed_loop, prompt_requests, prompt_text
-from kvmesh.bench.router_procs import Proc
 
 
 def _loop_runner():

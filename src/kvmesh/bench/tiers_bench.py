@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvmesh.bench import http_load
-from kvmesh.bench.fleet_engines import ADMIN_KEY, admin_headers
+from kvmesh.bench.fleet_procs.procs import ADMIN_KEY, admin_headers
 from kvmesh.bench.progress import BenchRun
 from kvmesh.protocol.prom import parse_samples
 

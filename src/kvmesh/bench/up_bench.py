@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmesh.bench import cli_args, workloads
-from kvmesh.bench.chaos_procs import port_block
+from kvmesh.bench.fleet_procs.ports import port_block
 from kvmesh.bench.kv_regime import regime, regime_line
 from kvmesh.bench.loadgen import run_workload
 from kvmesh.bench.progress import BenchRun, LineProgress

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import subprocess
 import sys
@@ -16,9 +15,8 @@ from pathlib import Path
 
 import aiohttp
 
-from kvmesh.bench.fleet_engines import ADMIN_KEY, admin_headers
+from kvmesh.bench.fleet_procs.procs import ADMIN_KEY, Proc, admin_headers, group_members
 from kvmesh.bench.kv_regime import cache_tokens
-from kvmesh.bench.router_procs import group_members
 from kvmesh.protocol.prom import parse_samples
 from kvmesh.protocol.stats import percentile
 
@@ -30,28 +28,23 @@ class Group:
     """The commands of one stack, each the leader of its own process group, logging to files."""
 
     def __init__(self, logs: Path, pythonpath: str | None) -> None:
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
-        self.env["KVMESH_ADMIN_API_KEY"] = ADMIN_KEY  # for /admin/timing
+        self.env = {"KVMESH_ADMIN_API_KEY": ADMIN_KEY}  # for /admin/timing
         if pythonpath:
             self.env["PYTHONPATH"] = pythonpath
         logs.mkdir(parents=True, exist_ok=True)
-        self.logs, self.procs = logs, []
+        self.logs = logs
+        self.procs: list[Proc] = []
 
     def start(self, cmd: list[str]) -> None:
         name = next((a for a in cmd if a in ("up", "serve", "router")), "cmd")
-        with open(self.logs / f"{len(self.procs)}-{name}.log", "wb") as f:
-            self.procs.append(
-                subprocess.Popen(
-                    cmd, stdout=f, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
-                )
-            )
+        self.procs.append(Proc(cmd, self.logs / f"{len(self.procs)}-{name}.log", self.env))
 
     def cpu(self) -> dict[int, float]:
         """CPU seconds so far of every live process of the stack."""
-        return group_members({p.pid for p in self.procs})
+        return group_members({p.popen.pid for p in self.procs})
 
     def exited(self) -> list[int | None]:
-        return [p.poll() for p in self.procs]
+        return [p.popen.poll() for p in self.procs]
 
     async def stop_under_load(self, router: str, in_flight: int) -> tuple[float, int]:
         """SIGTERM to every command while `in_flight` long streams run through the router:
@@ -61,7 +54,7 @@ class Group:
         t0 = time.monotonic()
         for p in self.procs:
             with contextlib.suppress(ProcessLookupError):
-                p.send_signal(signal.SIGTERM)
+                p.popen.send_signal(signal.SIGTERM)
         took = -1.0
         while time.monotonic() - t0 < 30:
             if all(code is not None for code in self.exited()):
@@ -69,7 +62,7 @@ class Group:
                 break
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.5)  # a child that outlives its parent by more is left behind
-        left = len(group_members({p.pid for p in self.procs}))
+        left = len(group_members({p.popen.pid for p in self.procs}))
         for task in load:
             task.cancel()
         await asyncio.gather(*load, return_exceptions=True)
@@ -77,10 +70,7 @@ class Group:
 
     def kill(self) -> None:
         for p in self.procs:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=10)
+            p.kill()
 
     def tail(self) -> str:
         return "\n".join(f.read_text(errors="replace")[-2000:] for f in self.logs.glob("*.log"))

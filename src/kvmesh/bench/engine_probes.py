@@ -1,27 +1,17 @@
-"""The processes and counters of one emulated fleet: its engines (started once per engine
-variant), their prefix caches reset between policies, the peer-pull counters and timing reports
-they expose, and the router gauges worth keeping in a fleet result."""
+"""What a bench reads of a fleet's servers over HTTP: which engines are kvmesh's, their prefix
+caches reset between policies, the peer-pull counters and timing reports they expose, and the
+router gauges worth keeping in a fleet result."""
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import secrets
-import socket
-import sys
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
-from kvmesh.bench.router_procs import URL_RE, Proc
+from kvmesh.bench.fleet_procs.procs import admin_headers
 from kvmesh.protocol.prom import parse_samples
 
-# the admin key (/admin/*, /reset_prefix_cache) of the engines this bench process starts:
-# the caller's KVMESH_ADMIN_API_KEY, else a fresh one; it goes to the engines in their
-# environment, never on a command line or in a log
-ADMIN_KEY = os.environ.get("KVMESH_ADMIN_API_KEY") or secrets.token_urlsafe(16)
 # the engine counters kv_move_counters sums: peer pulls by outcome, tokens pulled, tier hits
 KV_MOVES = frozenset(
     (
@@ -30,10 +20,6 @@ KV_MOVES = frozenset(
         "kvmesh:kv_offload_hits_total",
     )
 )
-
-
-def admin_headers() -> dict[str, str]:
-    return {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 def kvmesh_models(doc: object) -> bool:
@@ -55,78 +41,6 @@ def kvmesh_engines(urls: list[str]) -> list[str]:
         if kvmesh_models(doc):
             out.append(url)
     return out
-
-
-def _event_base(n: int, per_engine: int = 2) -> int:
-    """A port P with P..P+per_engine*n-1 free (engine i publishes on P+2i, replays on P+2i+1;
-    a third port each, from P+2n, for its HTTP server when the engines' ports are fixed)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + per_engine * n > 65535:
-            continue
-        try:
-            for p in range(base, base + per_engine * n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free port range for KV events")
-
-
-def start_engines(
-    args: argparse.Namespace, n: int, out: Path, extra: str = "", log: str = "engines.log"
-) -> tuple[Proc, list[str]]:
-    """`kvmesh serve --emulate n` with the bench's --serve-args and then `extra` (an engine
-    variant's flags, which win where both set one); the process and the engines' URLs."""
-    serve_args = f"{args.serve_args} {extra}".strip()
-    fixed = "{engines}" in serve_args  # the engines name each other: fix their ports
-    base = _event_base(n, 3 if fixed else 2)
-    http_base = base + 2 * n if fixed else 0
-    engines = ",".join(f"127.0.0.1:{http_base + i}" for i in range(n))
-    events = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"tcp://*:{base}",
-        "replay_endpoint": f"tcp://*:{base + 1}",
-    }
-    cmd = [
-        "env",
-        "KVMESH_DEV_MODE=1",
-        f"KVMESH_ADMIN_API_KEY={ADMIN_KEY}",
-        sys.executable,
-        "-m",
-        "kvmesh.cli",
-        "--log-level",
-        "WARNING",
-        "serve",
-        "--emulate",
-        str(n),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(http_base),
-        "--emulate-gpu",
-        args.emulate_gpu,
-        "--emulate-model",
-        args.emulate_model,
-        "--kv-events-config",
-        json.dumps(events),
-        "--emulate-time-scale",
-        str(args.emulate_time_scale),
-        *serve_args.replace("{engines}", engines).split(),
-    ]
-    proc = Proc(cmd, out / log)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.popen.poll() is None:
-        urls = URL_RE.findall(proc.tail(100_000))
-        if len(urls) >= n:
-            return proc, urls[:n]
-        time.sleep(0.3)
-    proc.stop()
-    raise RuntimeError(f"emulated engines did not start:\n{proc.tail()}")
 
 
 def reset_caches(urls: list[str]) -> list[str]:
