@@ -91,6 +91,10 @@ class WideEPRoofline(InstanceRoofline):
         n = dp_size
         # E[max of n standard normals], Blom's approximation (within ~1% for n = 2 .. 1000)
         self.z = NormalDist().inv_cdf((n - 0.375) / (n + 0.25)) if n > 1 else 0.0
+        # (layers, ranks): a pick's chance to go to another GPU of its node, or to another node
+        self.share_intra, self.share_inter = self.share @ self.intra.T, self.share @ self.inter.T
+        # the step's total tokens -> (busiest rank's picks, touched expert bytes) per layer
+        self._by_total: dict[float, tuple[np.ndarray, np.ndarray]] = {}
         self._fits(f"DP{dp_size}/EP{dp_size}")
 
     def kv_capacity_bytes(self) -> float:
@@ -124,7 +128,8 @@ class WideEPRoofline(InstanceRoofline):
         k = self.model.experts_per_token
         if self.all2all_backend == "deepep_low_latency":
             masks = (self.intra, self.inter)
-            send = tuple(k * tokens[None, :] * (self.share @ mask.T) for mask in masks)
+            shares = (self.share_intra, self.share_inter)
+            send = tuple(k * tokens[None, :] * share for share in shares)
             recv = tuple(mean * (mask @ tokens)[None, :] / total for mask in masks)
             return send, recv
         reach = 1.0 - (1.0 - self.share @ self.node_hot) ** k  # (layers, nodes) any pick there
@@ -141,14 +146,26 @@ class WideEPRoofline(InstanceRoofline):
         m, tokens = self.model, load.tokens
         total = float(tokens.sum())
         dense = float(self._dense_layer_time(load, 1, 1).max())
-        mean, busiest = self.routed_load(total)
+        mean, busiest, touched_bytes = self._routed(total)
         expert_flops = 2 * m.expert_size * busiest
-        touched_bytes = (self._touched(total) @ self.holds).max(axis=1) * self.expert_bytes
         experts = np.maximum(expert_flops / self.gemm_flops, touched_bytes / self.bandwidth)
         send, recv = self._volumes(tokens, mean, total)
         comm = self._all_to_all(send, recv, m.hidden_size * DISPATCH_BYTES)
         comm = comm + self._all_to_all(send, recv, m.hidden_size * COMBINE_BYTES)
         return dense, experts, comm, busiest / mean.mean(axis=1)
+
+    def _routed(self, total: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """routed_load(total) and the busiest rank's touched expert bytes per layer; what
+        depends on the total alone is computed once per total (up to 65,536 totals)."""
+        mean = total * self.model.experts_per_token * self.share
+        known = self._by_total.get(total)
+        if known is None:
+            _, busiest = self.routed_load(total)
+            touched = (self._touched(total) @ self.holds).max(axis=1) * self.expert_bytes
+            if len(self._by_total) >= 1 << 16:
+                self._by_total.clear()
+            known = self._by_total[total] = (busiest, touched)
+        return mean, *known
 
     dummy_rank = True
 
