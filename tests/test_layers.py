@@ -29,8 +29,9 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "router": frozenset({"protocol"}),
     "flags": frozenset({"protocol", "engine"}),
     "sim": frozenset({"protocol", "engine", "router", "flags"}),
+    "plan": frozenset({"protocol", "engine", "router", "flags", "sim"}),
     "bench": frozenset({"protocol"}),
-    "cli": frozenset({"protocol", "engine", "router", "flags", "sim", "bench"}),
+    "cli": frozenset({"protocol", "engine", "router", "flags", "sim", "plan", "bench"}),
 }
 # modules whose part is not their package's
 PART_OF_MODULE = {
@@ -93,6 +94,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("sim.requests", "bench.workloads"): _WORKLOADS,
     ("sim.agents_cli", "bench.cli_args"): _WORKLOADS,
     ("sim.replay", "bench.cli_args"): _WORKLOADS,
+    ("plan.targets", "bench.workloads"): _WORKLOADS,
 }
 
 

@@ -85,6 +85,8 @@ COMMANDS = {
     "router": "Cache-aware router in front of vLLM-compatible engines.",
     "convert-gguf": convert.CONVERT_HELP,
     "sim": "Replay a trace through routing policies on emulated engines in virtual time.",
+    "plan": "The cheapest fleets that meet N agents' TTFT and per-user speed targets, found by "
+    "simulating candidate fleets pruned with the cost model.",
     "bench": "Benchmarks: each compares against its baseline in one run, writing JSON and plots.",
 }
 
@@ -161,6 +163,17 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
             )
             replay.add_args(sp)
             sp.set_defaults(func=replay.main)
+        elif name == "plan":
+            from kvmesh.plan import cli as plan_cli
+
+            pp = sub.add_parser(
+                name,
+                help=text,
+                description=(plan_cli.__doc__ or "").strip(),
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+            )
+            plan_cli.add_args(pp)
+            pp.set_defaults(func=plan_cli.main)
         else:
             _add_bench(sub, text, wanted)
     return parser
