@@ -28,6 +28,7 @@ def test_up_starts_serve_and_router_with_its_flags_and_keys_by_environment(monke
     on a command line, each is in the children's environment."""
     import dataclasses
 
+    from kvmesh.commands import up_supervisor
     from kvmesh.commands.flags import config_from_args
     from kvmesh.commands.router import router_config_from
     from kvmesh.commands.up import child_env, engine_command, router_command
@@ -59,7 +60,9 @@ def test_up_starts_serve_and_router_with_its_flags_and_keys_by_environment(monke
     routed = build_parser().parse_args(router[3:])
     assert (routed.command, routed.port, routed.endpoint) == ("router", 9100, urls)
     got = router_config_from(routed, routed.endpoint)
-    assert dataclasses.replace(got, endpoint_api_key="k1") == rcfg  # unset: its --api-key
+    # the key unset (its --api-key), and the drain within the grace `up` gives the router
+    drains = dataclasses.replace(rcfg, shutdown_timeout=up_supervisor.ROUTER_DRAIN_S)
+    assert dataclasses.replace(got, endpoint_api_key="k1") == drains
     assert got.upstream_authorization(None) == rcfg.upstream_authorization(None)
     assert (got.block_size, got.preset, got.max_retries) == (32, "load", 4)
 
@@ -87,6 +90,7 @@ def test_up_says_what_it_waits_for_while_children_start(monkeypatch, capsys):
     monkeypatch.setattr(up, "_model_name", _model_name_then_mark)
     monkeypatch.setattr(up_supervisor, "WAITING_EVERY_S", 0.0)  # a line at every look
     monkeypatch.setattr(up_supervisor, "GRACE_S", 0.5)
+    monkeypatch.setattr(up_supervisor, "ROUTER_DRAIN_S", 0.0)
     args = build_parser().parse_args(["up", "--port", "9400"])
     assert up.run_up(_engine_config(args), None, args) == 0
     out = capsys.readouterr().out

@@ -87,6 +87,7 @@ def test_another_instance_answering_on_the_engine_port_is_not_taken_for_ours(
     monkeypatch.setattr(up_supervisor, "_healthy", counted)
     monkeypatch.setattr(up, "_model_name", _model_name_then_mark)
     monkeypatch.setattr(up_supervisor, "GRACE_S", 0.5)
+    monkeypatch.setattr(up_supervisor, "ROUTER_DRAIN_S", 0.0)
     args = build_parser().parse_args(["up", "--port", str(base)])
     try:
         code = up.run_up(_engine_config(args), None, args)

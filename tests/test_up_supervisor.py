@@ -68,6 +68,7 @@ def run_with(
         os.remove(READY_MARK)
     monkeypatch.setattr(up, "_model_name", _model_name_then_mark)
     monkeypatch.setattr(up_supervisor, "GRACE_S", 0.5)
+    monkeypatch.setattr(up_supervisor, "ROUTER_DRAIN_S", 0.0)
     monkeypatch.setattr(up, "Stack", Recorded)
     Recorded.last = None
     args = build_parser().parse_args(["up", "--port", port, *flags])
@@ -162,3 +163,37 @@ def test_kvmesh_up_under_load_stops_on_sigterm_and_leaves_no_process():
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+# writes its name to argv[1] when SIGTERM comes, once it has said (argv[1].ready-NAME) that it
+# listens for it
+_NOTES_SIGTERM = """
+import signal, sys, time
+def bye(*_):
+    with open(sys.argv[1], "a") as f:
+        f.write(sys.argv[2] + "\\n")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, bye)
+open(sys.argv[1] + ".ready-" + sys.argv[2], "w").close()
+while True:
+    time.sleep(1)
+"""
+
+
+def test_the_router_stops_first_and_the_engines_serve_while_it_drains(tmp_path):
+    """`up` stops its children last started first: the router gets SIGTERM and drains its
+    answers in progress (its grace is GRACE_S + its drain time) while the engines still run;
+    only then do the engines get theirs."""
+    order = tmp_path / "order"
+    stack = up_supervisor.Stack(dict(os.environ))
+    for name, drain in (("engine", 0.0), ("router", 30.0)):
+        cmd = [sys.executable, "-c", _NOTES_SIGTERM, str(order), name]
+        child = stack.start(name, name, cmd, [], drain=drain)
+        assert child.drain == drain
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"order.ready-{n}").exists() for n in ("engine", "router")):
+        assert time.monotonic() < deadline, "the stand-in children did not start"
+        time.sleep(0.05)
+    stack.stop()
+    assert order.read_text().split() == ["router", "engine"]
+    assert all(child.proc.poll() == 0 for child in stack.children.values())

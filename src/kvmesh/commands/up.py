@@ -29,7 +29,7 @@ import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
 
-from kvmesh.commands import up_ports
+from kvmesh.commands import up_ports, up_supervisor
 from kvmesh.commands.flags import Renamed, config_from_args, flag_of
 from kvmesh.commands.serve import check_model, engine_settings, up_router_config
 from kvmesh.commands.serve_flags import EMULATION_HELP, ENGINE_HELP
@@ -123,7 +123,8 @@ def router_command(rcfg, config: EngineConfig, args: argparse.Namespace) -> list
         cmd += [flag_of("kv_events", ROUTER_RENAMED), "none"]
     if config.model:  # the router tokenizes as the engine does, with the model's tokenizer
         cmd += [flag_of("tokenizer", ROUTER_RENAMED), config.model]
-    return cmd
+    # on SIGTERM it drains its answers in progress, within the grace `up` gives it
+    return cmd + ["--shutdown-timeout", str(up_supervisor.ROUTER_DRAIN_S)]
 
 
 def _model_name(url: str, key: str | None) -> str:
@@ -210,8 +211,9 @@ def run_up(config: EngineConfig, emu, args: argparse.Namespace) -> int:
         if up:  # the router learns what the engines cache from their event replay at its start
             print(f"kvmesh up: starting the router on port {args.port} ...", flush=True)
             cmd = router_command(rcfg, config, args)
+            urls = [f"http://{local}:{args.port}"]
             up = stack.wait_healthy(
-                stack.start("router", "router", cmd, [f"http://{local}:{args.port}"])
+                stack.start("router", "router", cmd, urls, drain=up_supervisor.ROUTER_DRAIN_S)
             )
         if not up:
             gone = stack.exited()

@@ -5,8 +5,10 @@ initial delay once it had stayed healthy restart_reset_after seconds), each rest
 on stderr; more than crash_loop_restarts exits of one child within crash_loop_window seconds
 is a crash loop and ends `up`. Invariants: a child counts as healthy only while it runs and
 holds the port that answered GET /health 200 (never another instance answering there); on
-SIGINT, SIGTERM or SIGHUP every child gets SIGTERM, and one still running GRACE_S later is
-killed; no child outlives `up`."""
+SIGINT, SIGTERM or SIGHUP the children are stopped last started first (the router drains the
+answers in progress while the engines still serve them, then the engines go): each gets SIGTERM,
+and one still running its grace later (GRACE_S; the router ROUTER_DRAIN_S more) is killed; no
+child outlives `up`."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from urllib.parse import urlsplit
 from kvmesh.commands import up_ports
 
 GRACE_S = 5.0  # after SIGTERM, a child gets this long to finish before it is killed
+ROUTER_DRAIN_S = 10.0  # the router's --shutdown-timeout under `up`: its grace is this more
 POLL_S = 0.1  # the supervisor's look at its children and at the signals it was sent
 WAITING_EVERY_S = 10.0  # while children start, a line at least this often says what is awaited
 START_TIMEOUT_S = 900.0  # loading a large model takes minutes; a child stuck longer is stopped
@@ -83,6 +86,7 @@ class Child:
     healthy_since: float | None = None
     restart_at: float | None = None  # it exited and is started again then
     delay: float = 0.0  # the last back-off waited
+    drain: float = 0.0  # seconds it may take to drain on SIGTERM, beyond GRACE_S
     restarts: int = 0
     exits: list[float] = field(default_factory=list)  # monotonic, within the crash-loop window
 
@@ -112,8 +116,10 @@ class Stack:
         self.lines.append(line)
         print(line, file=sys.stderr if err else sys.stdout, flush=True)
 
-    def start(self, name: str, what: str, cmd: list[str], urls: list[str]) -> Child:
-        child = Child(name, what, cmd, urls, self._spawn(cmd), time.monotonic())
+    def start(
+        self, name: str, what: str, cmd: list[str], urls: list[str], drain: float = 0.0
+    ) -> Child:
+        child = Child(name, what, cmd, urls, self._spawn(cmd), time.monotonic(), drain=drain)
         self.children[name] = child
         return child
 
@@ -224,20 +230,18 @@ class Stack:
         return {name: child.restarts for name, child in self.children.items()}
 
     def stop(self) -> None:
-        """SIGTERM to every child still running, SIGKILL to those left after GRACE_S."""
-        procs = [child.proc for child in self.children.values()]
-        for proc in procs:
+        """Each child still running, last started first: SIGTERM, then SIGKILL if it is still
+        there after GRACE_S and its drain time."""
+        for child in reversed(list(self.children.values())):
+            proc = child.proc
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + GRACE_S
-        for proc in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=GRACE_S + child.drain)
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
 
 
 def _die_with_parent():
