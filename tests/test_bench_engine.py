@@ -13,6 +13,7 @@ import pytest
 from aiohttp import web
 
 from kvmesh.bench import http_load
+from kvmesh.bench.fleet_procs.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,7 +70,7 @@ def fake_app() -> web.Application:
 async def fake_url():
     runner = web.AppRunner(fake_app())
     await runner.setup()
-    port = http_load.free_port()
+    port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     yield f"http://127.0.0.1:{port}"
     await runner.cleanup()

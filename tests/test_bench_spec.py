@@ -15,6 +15,7 @@ from aiohttp import web
 from rich.console import Console
 
 from kvmesh.bench import http_load, spec_bench, spec_report, spec_workloads
+from kvmesh.bench.fleet_procs.ports import free_port
 from kvmesh.bench.spec_report import ChatResult
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,7 +135,7 @@ async def test_stream_chat_times_text_chunks_only():
     app.router.add_post("/v1/chat/completions", chat)
     runner = web.AppRunner(app)
     await runner.setup()
-    port = http_load.free_port()
+    port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     try:
         req = spec_workloads.requests("chat", 1)[0]

@@ -30,13 +30,14 @@ def test_quick_tiers_bench(tmp_path):
 
 
 def test_engines_start_together_and_all_stop_when_one_fails(tmp_path):
-    from kvmesh.bench import http_load
+    from kvmesh.bench.fleet_procs.ports import free_port
+    from kvmesh.bench.fleet_procs.serve import EngineProcess, engine_processes
 
-    good = http_load.EngineProcess(http_load.free_port(), [], tmp_path / "good.log")
-    bad = http_load.EngineProcess(http_load.free_port(), ["--no-such-flag"], tmp_path / "bad.log")
+    good = EngineProcess(free_port(), [], tmp_path / "good.log")
+    bad = EngineProcess(free_port(), ["--no-such-flag"], tmp_path / "bad.log")
     with (
         pytest.raises(RuntimeError, match="exited with 2"),
-        http_load.engine_processes(bad, good),
+        engine_processes(bad, good),
     ):
         raise AssertionError("not reached: the bad engine never comes up")
     assert good.proc is not None and good.proc.poll() is not None  # started, and stopped

@@ -67,7 +67,7 @@ from kvmesh.bench.chaos_procs import (
     wait_ready,
 )
 from kvmesh.bench.fleet_procs.ports import taken_ports
-from kvmesh.bench.fleet_procs.procs import ENV
+from kvmesh.bench.fleet_procs.procs import server_env
 from kvmesh.bench.progress import BenchRun
 
 PHASES = ("baseline", "engine-restart", "router-restart", "drop-events", "errors", "hang", "stall")
@@ -145,7 +145,7 @@ def router_flags(args: argparse.Namespace) -> list[str]:
     """Short timeouts and ejections for a short run, each only where `kvmesh router --help`
     lists the flag (older routers run with their defaults), then --router-args."""
     cmd = [sys.executable, "-m", "kvmesh.cli", "router", "--help"]
-    have = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=120).stdout
+    have = subprocess.run(cmd, capture_output=True, text=True, env=server_env(), timeout=120).stdout
     k, ej = args.emulate_time_scale, args.ejection_seconds
     wanted = {
         "--first-byte-timeout": args.first_byte_timeout * k,

@@ -28,7 +28,7 @@ from kvmesh.bench.chaos_hostile import CLASSES, PARTIAL_TIMEOUT_S, HostileRecord
 from kvmesh.bench.chaos_load import drive
 from kvmesh.bench.chaos_metrics import parse_router_metrics
 from kvmesh.bench.chaos_procs import Fleet, State, client_sessions, start_fleet
-from kvmesh.bench.fleet_procs.procs import ENV
+from kvmesh.bench.fleet_procs.procs import server_env
 from kvmesh.bench.progress import BenchRun
 
 RECORDS = "hostile-records.json"  # the hostile process's records, beside the logs
@@ -88,7 +88,11 @@ async def start_hostile(args: argparse.Namespace, url: str, model: str | None, o
     cmd += ["--prompt-mb", f"{args.hostile_prompt_mb:g}", "--out", str(out / RECORDS)]
     log = open(out / "hostile.log", "w")  # noqa: SIM115 - the process writes it until its end
     proc = await asyncio.create_subprocess_exec(
-        *cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=log, env=ENV
+        *cmd,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=log,
+        env=server_env(),
     )
     assert proc.stdout is not None
     line = await asyncio.wait_for(proc.stdout.readline(), 300)

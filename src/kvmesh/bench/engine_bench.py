@@ -25,6 +25,8 @@ from rich.console import Console
 
 from kvmesh.bench import http_load
 from kvmesh.bench.engine_report import print_report, targets, write_plot
+from kvmesh.bench.fleet_procs.ports import free_port
+from kvmesh.bench.fleet_procs.serve import EngineProcess
 from kvmesh.bench.progress import BenchRun
 
 SIZES = ("max_tokens", "prompt_tokens", "long_prompt_tokens", "repeats")
@@ -173,9 +175,9 @@ def _main(args: argparse.Namespace, plan: Plan, bench: BenchRun) -> int:
     phases = 1 + bool(args.vllm_url) + (not args.skip_hf)
     bench.phase("kvmesh engine (`kvmesh serve`)", 1, phases)
     task = progress.add_task("starting kvmesh engine (GET /health)", total=None)
-    port = args.port or http_load.free_port()
+    port = args.port or free_port()
     try:
-        with http_load.EngineProcess(port, serve_args, out / "engine.log") as url:
+        with EngineProcess(port, serve_args, out / "engine.log") as url:
             progress.update(task, total=1, completed=1)
             prompts, tp, ttft = asyncio.run(kvmesh_phase(url, plan, bench))
     except Exception as exc:  # the engine's log tail is in the message

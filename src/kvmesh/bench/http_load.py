@@ -1,6 +1,6 @@
 """Benchmark plumbing over HTTP: an async streaming OpenAI client (TTFT, token counts),
 exact-length prompts calibrated with POST /tokenize, the throughput + TTFT suite run against one
-server, and `kvmesh serve` as a subprocess.
+server (started by bench.fleet_procs.serve).
 
 Works against any OpenAI-compatible server (kvmesh engine, router, vLLM); imports nothing of
 kvmesh's engine. Times are `time.perf_counter()` seconds.
@@ -9,20 +9,12 @@ kvmesh's engine. Times are `time.perf_counter()` seconds.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
 import random
-import shlex
-import socket
 import statistics
-import subprocess
-import sys
 import time
-import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import aiohttp
 
@@ -291,92 +283,3 @@ async def measure_server(
     if on_row is not None:
         on_row({"engine": label, "phase": "ttft", **ttft}, f"{label} long-prompt TTFT")
     return throughput, ttft
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class EngineProcess:
-    """`kvmesh serve` as a subprocess (its output in log_path); the context yields its base URL
-    once GET /health answers 200, and stops the process (SIGTERM, then SIGKILL) on exit."""
-
-    def __init__(self, port: int, serve_args: list[str], log_path: Path, timeout_s: float = 600):
-        self.port, self.serve_args, self.log_path, self.timeout_s = (
-            port,
-            serve_args,
-            log_path,
-            timeout_s,
-        )
-        self.proc: subprocess.Popen | None = None
-        self.url = f"http://127.0.0.1:{port}"
-
-    def start(self) -> EngineProcess:
-        """Launch the process without waiting for it (`wait_healthy` waits)."""
-        cmd = [sys.executable, "-m", "kvmesh.cli", "serve", "--host", "127.0.0.1"]
-        cmd += ["--port", str(self.port), *self.serve_args]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        return self
-
-    def wait_healthy(self) -> str:
-        """The base URL, once GET /health answers 200; stops the process and raises if it
-        exits or is not healthy within timeout_s."""
-        assert self.proc is not None, "start() first"
-        deadline = time.monotonic() + self.timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"`{shlex.join(self.proc.args)}` exited with {self.proc.returncode}:\n"
-                    f"{self.log_tail()}"
-                )
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return self.url
-            except OSError:
-                pass
-            time.sleep(0.25)
-        self.__exit__()
-        raise RuntimeError(f"engine not healthy after {self.timeout_s:.0f} s:\n{self.log_tail()}")
-
-    def __enter__(self) -> str:
-        return self.start().wait_healthy()
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-
-@contextlib.contextmanager
-def engine_processes(*engines: EngineProcess) -> Iterator[list[str]]:
-    """Several `kvmesh serve` subprocesses: all started at once, so their start-ups (imports,
-    model loading) overlap, then each waited for; yields their URLs in order and stops them
-    all on exit, also when one fails to come up."""
-    with contextlib.ExitStack() as stack:
-        for e in engines:
-            stack.callback(e.__exit__)
-            e.start()
-        stack.callback(_terminate, engines)  # first on exit: they all shut down at once
-        yield [e.wait_healthy() for e in engines]
-
-
-def _terminate(engines: tuple[EngineProcess, ...]) -> None:
-    for e in engines:
-        if e.proc is not None and e.proc.poll() is None:
-            e.proc.terminate()

@@ -23,6 +23,8 @@ import aiohttp
 from rich.console import Console
 
 from kvmesh.bench import http_load, spec_report
+from kvmesh.bench.fleet_procs.ports import free_port
+from kvmesh.bench.fleet_procs.serve import EngineProcess
 from kvmesh.bench.progress import BenchRun
 from kvmesh.bench.spec_report import ChatResult
 from kvmesh.bench.spec_workloads import BenchRequest, requests
@@ -213,7 +215,7 @@ def run_arm(
     task = progress.add_task(f"{arm}: starting engine", total=None)
     t0 = time.perf_counter()
     try:
-        with http_load.EngineProcess(http_load.free_port(), args, out / f"engine-{arm}.log") as url:
+        with EngineProcess(free_port(), args, out / f"engine-{arm}.log") as url:
             data["start_s"] = round(time.perf_counter() - t0, 2)
             progress.update(task, total=1, completed=1)
             data["runs"] = asyncio.run(measure_arm(url, arm, plan, bench))

@@ -28,7 +28,9 @@ from rich.console import Console
 from rich.table import Table
 
 from kvmesh.bench import http_load
+from kvmesh.bench.fleet_procs.ports import free_port
 from kvmesh.bench.fleet_procs.procs import ADMIN_KEY, admin_headers
+from kvmesh.bench.fleet_procs.serve import EngineProcess, engine_processes
 from kvmesh.bench.progress import BenchRun
 from kvmesh.protocol.prom import parse_samples
 
@@ -112,7 +114,7 @@ def _main(args: argparse.Namespace, bench: BenchRun) -> int:
     common = ["--num-gpu-blocks", str(blocks), "--block-size", str(args.block_size)]
     if args.threads:
         common += ["--num-threads", str(args.threads)]
-    ports = [http_load.free_port() for _ in range(4)]
+    ports = [free_port() for _ in range(4)]
     tiered = [*common, "--kv-offloading-size", str(args.host_tier_gib)]
     spilling = [*common, "--kv-offloading-size", "0.003"]  # a few blocks: nearly all spill
     spilling += ["--kv-offloading-disk-path", str(out / "disk")]
@@ -148,11 +150,11 @@ def _main(args: argparse.Namespace, bench: BenchRun) -> int:
         return _ttft(p_url, prompt, {PEER_HEADER: peer})
 
     bench.note("starting 4 engines (tiered, spilling, two pullers)")
-    with http_load.engine_processes(
-        http_load.EngineProcess(ports[0], tiered, out / "tiered.log"),
-        http_load.EngineProcess(ports[1], spilling, out / "spilling.log"),
-        http_load.EngineProcess(ports[2], [*puller, "tcp"], out / "puller.log"),
-        http_load.EngineProcess(ports[3], [*puller, "shm"], out / "shm-puller.log"),
+    with engine_processes(
+        EngineProcess(ports[0], tiered, out / "tiered.log"),
+        EngineProcess(ports[1], spilling, out / "spilling.log"),
+        EngineProcess(ports[2], [*puller, "tcp"], out / "puller.log"),
+        EngineProcess(ports[3], [*puller, "shm"], out / "shm-puller.log"),
     ) as (t_url, s_url, p_url, m_url):
         bench.note(f"engines up; {args.prompt_tokens}-token prompts, one request at a time")
         prompt = _prompt_ids(t_url, 1, args.prompt_tokens)

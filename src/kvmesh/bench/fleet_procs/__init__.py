@@ -12,6 +12,8 @@ and stopped together. A `kvmesh bench` scenario composes these parts:
   `start_emulated` and `wait_for_urls` (the engines' URLs once printed), and two fleets:
   `zero_latency_engines` (what a router adds) and `start_fleet_engines` (a bench's GPU, model, time
   scale and serve flags).
+- `serve`: `EngineProcess` (one `kvmesh serve` with any flags on a given port, healthy) and
+  `engine_processes` (several started at once, stopped together).
 - `routers`: `Target` (kind and policy of a router under test), `router_command`,
   `start_router`, `peer_bin` and `envoy_binary` (what is installed), `pinning` (servers on one
   CPU, the client on another), `served_model` and `post_status`.

@@ -16,7 +16,13 @@ from pathlib import Path
 
 from kvmesh.bench.fleet_procs.ports import free_port
 
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+
+def server_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A server's environment: the bench's as it is now, unbuffered output, no model downloads,
+    then `extra`."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **(extra or {})}
+
+
 # the admin key (/admin/*, /reset_prefix_cache) of the engines this bench process starts:
 # the caller's KVMESH_ADMIN_API_KEY, else a fresh one; it goes to the engines in their
 # environment, never on a command line or in a log
@@ -61,7 +67,7 @@ class Proc:
                 cmd,
                 stdout=f,
                 stderr=subprocess.STDOUT,
-                env={**ENV, **env} if env else ENV,
+                env=server_env(env),
                 start_new_session=True,
             )
 
