@@ -42,6 +42,12 @@ def helm_values(candidate: Candidate, model: str) -> dict:
             "enabled": True,
             "sizeGiB": candidate.host_tier_gib * max(1, candidate.ranks_per_unit),
         }
+    # pod memory: the host tier's DRAM above a base for vLLM's processes (an assumption)
+    host = server.get("hostTier", {}).get("sizeGiB", 0)
+    server["resources"] = {
+        "requests": {"cpu": str(4 * per_pod), "memory": f"{32 + host}Gi"},
+        "limits": {"memory": f"{64 + host}Gi"},
+    }
     values: dict = {
         "model": {"servedModelName": hf.rsplit("/", 1)[-1], "vllmModel": hf},
         "modelServer": server,
@@ -75,7 +81,10 @@ def values_text(result: PlanResult, model: str, gpu: str) -> str:
             f"# A {c.unit_name()} pod spans {c.gpus_per_unit} GPUs, more than one "
             f"{GPUS_PER_NODE}-GPU node: run it as a multi-node vLLM deployment (LWS) instead."
         )
-    head.append(f"# Check model.vllmModel: {HF_MODELS.get(model, model)} stands for {model}.")
+    head += [
+        f"# Check model.vllmModel: {HF_MODELS.get(model, model)} stands for {model}; the router",
+        "# needs that model's tokenizer: mount it and set router.tokenizer (router.extraVolumes).",
+    ]
     body = yaml.safe_dump(helm_values(c, model), sort_keys=False)
     return "\n".join(head) + "\n" + body
 
