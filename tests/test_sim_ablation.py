@@ -152,3 +152,22 @@ def test_cli_ablation_rows_in_parallel_processes_match_rows_run_in_turn(tmp_path
             continue
         same = {k: v for k, v in one["summary"].items() if k not in wall}
         assert same == {k: v for k, v in two["summary"].items() if k not in wall}
+
+
+def test_spec_acceptance_is_a_sim_flag_and_the_ablation_states_it() -> None:
+    import argparse
+
+    from kvmesh.sim.ablation_cli import drafter_assumption
+    from kvmesh.sim.fleet_args import engine_flags, fleet_config
+
+    args = argparse.Namespace(
+        emulate_gpu="h200", speculative_config=MTP, emulate_spec_acceptance="0.5,0"
+    )
+    flags = engine_flags(args)
+    assert flags[-2:] == ("--emulate-spec-acceptance", "0.5,0")
+    config = fleet_config("--emulate-spec-acceptance 0.9", 0, 0.1, 0, "dp8", 16, flags)
+    line, rates = drafter_assumption(config)
+    assert rates == [0.5, 0.0]  # the sim flag wins over --serve-args
+    assert "accepted per position at 0.5, 0 " in line and "1.50 tokens per step" in line
+    no_mtp = fleet_config("", 0, 0.1, 0, "dp8", 16, ("--emulate-gpu", "h200"))
+    assert drafter_assumption(no_mtp) is None
