@@ -18,7 +18,7 @@ from kvmesh.bench.chaos_metrics import Sample, parse_router_metrics
 from kvmesh.bench.chaos_report import Result
 from kvmesh.bench.fleet_procs.engines import ENGINE_ENV, serve_command
 from kvmesh.bench.fleet_procs.ports import port_block
-from kvmesh.bench.fleet_procs.procs import Proc, admin_headers, stop_all
+from kvmesh.bench.fleet_procs.procs import Proc, admin_headers, await_healthy, stop_all
 from kvmesh.bench.fleet_procs.routers import Target, router_command
 
 POLL_S = 0.05  # the router's /metrics, and /health while waiting for a start
@@ -110,14 +110,7 @@ class State:
 
 async def wait_ready(http: aiohttp.ClientSession, url: str, proc: Proc, limit: float = 180) -> bool:
     """Poll GET /health every 50 ms until 200; False when the process exits or time runs out."""
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline and proc.popen.poll() is None:
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-            async with http.get(url + "/health", timeout=aiohttp.ClientTimeout(total=1)) as r:
-                if r.status == 200:
-                    return True
-        await asyncio.sleep(POLL_S)
-    return False
+    return await await_healthy(http, url, lambda: proc.popen.poll() is None, limit, POLL_S)
 
 
 async def start_fleet(http: aiohttp.ClientSession, fleet: Fleet) -> None:

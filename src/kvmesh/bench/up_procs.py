@@ -15,7 +15,13 @@ from pathlib import Path
 
 import aiohttp
 
-from kvmesh.bench.fleet_procs.procs import ADMIN_KEY, Proc, admin_headers, group_members
+from kvmesh.bench.fleet_procs.procs import (
+    ADMIN_KEY,
+    Proc,
+    admin_headers,
+    await_healthy,
+    group_members,
+)
 from kvmesh.bench.kv_regime import cache_tokens
 from kvmesh.protocol.prom import parse_samples
 from kvmesh.protocol.stats import percentile
@@ -103,18 +109,16 @@ async def long_stream(url: str) -> None:
 async def wait_healthy(urls: list[str], group: Group, timeout: float = 180.0) -> None:
     """Until every URL answers GET /health 200; RuntimeError when a command exits first."""
     deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
+
+    def alive() -> bool:
+        return all(code is None for code in group.exited())
+
+    async with aiohttp.ClientSession() as http:
         for url in urls:
-            while True:
-                if any(code is not None for code in group.exited()):
+            if not await await_healthy(http, url, alive, deadline - time.monotonic(), 0.2):
+                if not alive():
                     raise RuntimeError(f"a command exited before {url} was up:\n{group.tail()}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{url} not healthy in {timeout} s:\n{group.tail()}")
-                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                    async with http.get(url + "/health") as resp:
-                        if resp.status == 200:
-                            break
-                await asyncio.sleep(0.2)
+                raise RuntimeError(f"{url} not healthy in {timeout} s:\n{group.tail()}")
 
 
 async def health_probe(url: str, stop: asyncio.Event) -> list[float]:

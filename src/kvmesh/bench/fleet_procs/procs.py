@@ -4,6 +4,7 @@ file; their CPU time read from /proc; a start that waits for GET /health."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import secrets
@@ -13,6 +14,8 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+
+import aiohttp
 
 from kvmesh.bench.fleet_procs.ports import free_port
 
@@ -113,6 +116,40 @@ def stop_all(procs: Iterable[Proc]) -> None:
         p.stop()
 
 
+def healthy(url: str, timeout: float = 2.0) -> bool:
+    """Whether GET url/health answers 200 now."""
+    with (
+        contextlib.suppress(OSError),
+        urllib.request.urlopen(url + "/health", timeout=timeout) as resp,
+    ):
+        return resp.status == 200
+    return False
+
+
+def wait_healthy(proc: Proc, url: str, timeout: float, poll: float = 0.2) -> bool:
+    """Poll GET url/health until 200 (True); False once `proc` has exited or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.popen.poll() is None:
+        if healthy(url):
+            return True
+        time.sleep(poll)
+    return False
+
+
+async def await_healthy(
+    http: aiohttp.ClientSession, url: str, alive: Callable[[], bool], limit: float, poll: float
+) -> bool:
+    """Poll GET url/health until 200 (True); False once `alive()` is not or time runs out."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline and alive():
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with http.get(url + "/health", timeout=aiohttp.ClientTimeout(total=1)) as r:
+                if r.status == 200:
+                    return True
+        await asyncio.sleep(poll)
+    return False
+
+
 def start_healthy(
     command: Callable[[int], list[str]], log: Path, label: str, attempts: int = 3, port: int = 0
 ) -> tuple[Proc, str]:
@@ -125,15 +162,8 @@ def start_healthy(
         port = chosen or free_port()
         proc = Proc(command(port), log)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.popen.poll() is None:
-            with (
-                contextlib.suppress(OSError),
-                urllib.request.urlopen(url + "/health", timeout=2) as resp,
-            ):
-                if resp.status == 200:
-                    return proc, url
-            time.sleep(0.2)
+        if wait_healthy(proc, url, 120):
+            return proc, url
         if proc.popen.poll() is None:
             break  # alive but never healthy: not a port race
     assert proc is not None

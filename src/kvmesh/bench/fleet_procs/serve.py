@@ -7,12 +7,10 @@ import contextlib
 import shlex
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from kvmesh.bench.fleet_procs.procs import Proc, stop_all
+from kvmesh.bench.fleet_procs.procs import Proc, stop_all, wait_healthy
 
 
 class EngineProcess:
@@ -42,20 +40,13 @@ class EngineProcess:
         exits or is not healthy within timeout_s."""
         assert self.server is not None, "start() first"
         popen = self.server.popen
-        deadline = time.monotonic() + self.timeout_s
-        while time.monotonic() < deadline:
-            if popen.poll() is not None:
-                raise RuntimeError(
-                    f"`{shlex.join(self.server.cmd)}` exited with {popen.returncode}:\n"
-                    f"{self.log_tail()}"
-                )
-            with (
-                contextlib.suppress(OSError),
-                urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp,
-            ):
-                if resp.status == 200:
-                    return self.url
-            time.sleep(0.25)
+        if wait_healthy(self.server, self.url, self.timeout_s, 0.25):
+            return self.url
+        if popen.poll() is not None:
+            raise RuntimeError(
+                f"`{shlex.join(self.server.cmd)}` exited with {popen.returncode}:\n"
+                f"{self.log_tail()}"
+            )
         self.__exit__()
         raise RuntimeError(f"engine not healthy after {self.timeout_s:.0f} s:\n{self.log_tail()}")
 
