@@ -103,14 +103,22 @@ def plot_plans(path: Path, results: list[PlanResult], chosen: list[PlanResult], 
             [r.ttft_p90_s for r in pts], [r.usd_per_hour for r in pts], c=colour, label=name, s=24
         )
     for i, r in enumerate(chosen, 1):
-        ax.annotate(f"#{i} {r.candidate.shape()}", (r.ttft_p90_s, r.usd_per_hour), fontsize=7)
+        ax.annotate(
+            f"#{i}", (r.ttft_p90_s, r.usd_per_hour), xytext=(4, 4 + 8 * (i - 1)),
+            textcoords="offset points", fontsize=8,
+        )  # fmt: skip
     ax.axvline(t.ttft_p90_s, color="k", linestyle="--", label=f"target {t.ttft_p90_s:g} s")
     if t.budget_usd_per_hour:
         ax.axhline(t.budget_usd_per_hour, color="grey", linestyle=":", label="budget")
-    ax.set_xscale("symlog", linthresh=1.0)
+    if all(r.ttft_p90_s > 0 for r in results):
+        ax.set_xscale("log")
     ax.set_xlabel("TTFT p90, s (simulated)")
     ax.set_ylabel("fleet cost, $ / hour")
-    ax.set_title(f"kvmesh plan: {t.agents} agents, {t.user_tok_s:g} tok/s per user")
+    ax.set_title(
+        f"kvmesh plan: {t.agents} agents, {t.user_tok_s:g} tok/s per user; "
+        + ", ".join(f"#{i} {r.candidate.shape()}" for i, r in enumerate(chosen, 1)),
+        fontsize=9,
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -78,9 +78,19 @@ def judge(
 
 
 def cheapest(results: list[PlanResult], top: int) -> list[PlanResult]:
-    """The `top` cheapest results that meet the targets; at equal cost the larger margins."""
+    """The `top` cheapest results that meet the targets; at equal cost the simpler fleet (no
+    host tier, no MTP, aggregated) first, then the larger margins."""
     met = [r for r in results if r.meets]
-    met.sort(key=lambda r: (r.usd_per_hour, -r.ttft_margin_s, -r.user_margin_tok_s))
+    met.sort(
+        key=lambda r: (
+            r.usd_per_hour,
+            r.candidate.host_tier_gib > 0,
+            r.candidate.mtp,
+            r.candidate.prefill_units > 0,
+            -r.ttft_margin_s,
+            -r.user_margin_tok_s,
+        )
+    )
     return met[:top]
 
 
