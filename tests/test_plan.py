@@ -115,3 +115,20 @@ def test_values_text_sets_what_the_plan_chose(tmp_path: Path) -> None:
     assert ms["dataParallel"] == {"size": 16, "expertParallel": True} and ms["gpus"] == 16
     assert "--speculative-config" in ms["vllm"]["extraArgs"]
     assert yaml.safe_load(yaml.safe_dump(values)) == values
+
+
+def test_a_host_tier_is_pruned_where_the_gpus_hold_all_the_agents_can_reuse() -> None:
+    workload = Workload.preset("agentic")
+    plain = Candidate("", 1, 1, 0, "kvmesh", 0, False)
+    tiered = Candidate("", 1, 1, 0, "kvmesh", 64, False)
+    args = (workload, "llama-3.1-8b", "h100", 2.35, "0.8")
+    few = Targets(agents=4, ttft_p90_s=2, user_tok_s=30)
+    kept, pruned = prune([plain, tiered], few, *args)
+    assert kept == [plain] and [(p.candidate, p.rule) for p in pruned] == [
+        (tiered, "host tier idle")
+    ]
+    more = Targets(agents=60, ttft_p90_s=2, user_tok_s=30)  # more context than one GPU holds
+    assert workload.working_set_tokens(60) > capacity(tiered, "llama-3.1-8b", "h100", 9000, 30,
+                                                      "0.8").kv_tokens  # fmt: skip
+    kept, _ = prune([plain, tiered], more, *args)
+    assert kept == [plain, tiered]

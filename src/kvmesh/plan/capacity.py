@@ -10,10 +10,13 @@ size, or the instance roofline of the layout, MTP drafts included). From it:
   the fleet's decode tokens/s at that speed, counting decode ranks only.
 
 A candidate is pruned when it costs more than the budget, when one sequence alone decodes below
-the target, or when its decode capacity at the target speed is below `slack` times the demand of
-the agents (Workload.decode_demand_tok_s). The roofline leaves out prefill work sharing the steps
-and the batch's spread of contexts, so its capacity is optimistic: what it prunes, the
-simulator would not pass either (the slack absorbs the demand's own approximation)."""
+the target, when its decode capacity at the target speed is below `slack` times the demand of
+the agents (Workload.decode_demand_tok_s), or when it adds a host tier while its GPUs' KV caches
+already hold everything the agents can reuse (Workload.working_set_tokens): the tier would take
+no hits and the same fleet without it is simulated. The roofline leaves out prefill work
+sharing the steps and the batch's spread of contexts, so its capacity is optimistic: what it
+prunes, the simulator would not pass either (the slack absorbs the demand's own approximation).
+"""
 
 from __future__ import annotations
 
@@ -34,12 +37,14 @@ class Capacity(NamedTuple):
     user_tok_s_alone: float  # one sequence alone at the mean context
     batch_at_target: int  # sequences one rank decodes at >= the target speed (0: none)
     decode_tok_s: float  # the fleet's decode ranks at that batch
+    kv_tokens: int  # what the decode ranks' KV caches hold together
 
 
 class Pruned(NamedTuple):
     candidate: Candidate
-    rule: str  # "budget", "user speed", "decode capacity"
+    rule: str  # "budget", "user speed", "decode capacity", "host tier idle"
     detail: str
+    user_tok_s_alone: float = 0.0  # the cost model's best per-user speed (0: not computed)
 
 
 class RankModel:
@@ -82,8 +87,10 @@ def capacity(
     rank = RankModel(candidate, model, gpu, acceptance)
     alone = rank.user_tok_s(1, context)
     limit = rank.max_batch(context)
+    ranks = candidate.decode_units * candidate.ranks_per_unit
+    kv_tokens = int(ranks * rank.kv_capacity // rank.kv_bytes_per_token)
     if alone < target or limit < 1:
-        return Capacity(alone, 0, 0.0)
+        return Capacity(alone, 0, 0.0, kv_tokens)
     lo, hi = 1, limit  # speed falls as the batch grows: the largest batch still at target
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -91,8 +98,7 @@ def capacity(
             lo = mid
         else:
             hi = mid - 1
-    ranks = candidate.decode_units * candidate.ranks_per_unit
-    return Capacity(alone, lo, ranks * lo * rank.user_tok_s(lo, context))
+    return Capacity(alone, lo, ranks * lo * rank.user_tok_s(lo, context), kv_tokens)
 
 
 def prune(
@@ -108,6 +114,7 @@ def prune(
     """(survivors, pruned with the rule and figures that pruned each)."""
     context = workload.mean_context_tokens()
     demand = workload.decode_demand_tok_s(targets)
+    working_set = workload.working_set_tokens(targets.agents)
     survivors: list[Candidate] = []
     pruned: list[Pruned] = []
     cache: dict[tuple, Capacity] = {}
@@ -126,14 +133,20 @@ def prune(
                 f"one sequence alone decodes at {cap.user_tok_s_alone:.0f} tok/s on "
                 f"{c.unit_name()} at a {context:,}-token context (target {targets.user_tok_s:g})"
             )
-            pruned.append(Pruned(c, "user speed", detail))
+            pruned.append(Pruned(c, "user speed", detail, cap.user_tok_s_alone))
         elif cap.decode_tok_s < slack * demand:
             detail = (
                 f"decode capacity {cap.decode_tok_s:,.0f} tok/s at {targets.user_tok_s:g} tok/s "
                 f"per user ({cap.batch_at_target} per rank) < {slack:g} x the agents' "
                 f"{demand:,.0f} tok/s"
             )
-            pruned.append(Pruned(c, "decode capacity", detail))
+            pruned.append(Pruned(c, "decode capacity", detail, cap.user_tok_s_alone))
+        elif c.host_tier_gib and cap.kv_tokens >= working_set:
+            detail = (
+                f"the GPUs' KV caches hold {cap.kv_tokens:,} tokens, all the agents can reuse "
+                f"({working_set:,}): a host tier would serve nothing"
+            )
+            pruned.append(Pruned(c, "host tier idle", detail, cap.user_tok_s_alone))
         else:
             survivors.append(c)
     return survivors, pruned

@@ -107,7 +107,7 @@ def binding_constraint(results: list[PlanResult], pruned: list[Pruned], targets:
         )
         missed = []
         if best.ttft_margin_s < 0:
-            missed.append(f"TTFT p90 {best.ttft_p90_s:.2f} s (target {targets.ttft_p90_s:g} s)")
+            missed.append(f"TTFT p90 {best.ttft_p90_s:.3g} s (target {targets.ttft_p90_s:g} s)")
         if best.user_margin_tok_s < 0:
             missed.append(
                 f"per-user decode {best.user_tok_s:.0f} tok/s (target {targets.user_tok_s:g})"
@@ -121,7 +121,8 @@ def binding_constraint(results: list[PlanResult], pruned: list[Pruned], targets:
     largest = max(p.candidate.gpus for p in pruned)
     worst = [p for p in pruned if p.candidate.gpus == largest]
     rules = [p for p in worst if p.rule != "budget"] or worst
-    p = rules[-1]  # the most techniques at the most GPUs: the nearest miss
+    # the nearest miss: the fastest layout, then the simplest fleet of it
+    p = min(rules, key=lambda p: (-p.user_tok_s_alone, len(p.candidate.techniques())))
     return f"{p.rule}: {p.detail}, at {p.candidate.label()}, the largest fleet within {where}"
 
 

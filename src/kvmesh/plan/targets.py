@@ -72,6 +72,21 @@ class Workload:
         per_turn = p["answer_tokens"] + p["tool_tokens"]
         return int(base + (p["turns"] - 1) / 2 * per_turn + p["answer_tokens"] / 2)
 
+    def working_set_tokens(self, agents: int) -> int:
+        """KV tokens the agents can reuse: the shared prefixes and repositories, and each
+        agent's context at its longest times its requests in flight (one, and a fan-out's
+        sub-agents at the turns that fan out); a finished session's own context is never asked
+        for again."""
+        p = self.params
+        shared = p["system_tokens"] + p["tool_def_tokens"] + p["repos"] * p["repo_tokens"]
+        longest = (
+            p["system_tokens"] + p["tool_def_tokens"] + p["repo_tokens"] + p["task_tokens"]
+            + p["turns"] * (p["answer_tokens"] + p["tool_tokens"])
+            + p["fanout"] * p["return_tokens"]
+        )  # fmt: skip
+        in_flight = 1 + p["fanout_rate"] * max(0, p["fanout"])
+        return int(shared + agents * in_flight * longest)
+
     def decode_demand_tok_s(self, targets: Targets) -> float:
         """Output tokens/s the agents ask for when each request waits the whole TTFT target
         and decodes at exactly the target speed: a lower bound of a fleet that meets both
