@@ -10,6 +10,7 @@ import asyncio
 from kvmesh.bench import loadgen
 from kvmesh.bench.chaos_procs import State
 from kvmesh.bench.chaos_report import Result
+from kvmesh.bench.session_loop import play
 
 RETRYABLE = ("ClientConnectorError", "ServerDisconnectedError", "ClientOSError")
 
@@ -40,26 +41,9 @@ async def drive(http, url: str, model, wl, args: argparse.Namespace, st: State) 
     """Closed loop: --concurrency workers, each running whole sessions (a request after its
     deps and think time) until the timeline ends; requests in flight then run to their end."""
     k, limit = args.emulate_time_scale, args.request_timeout * args.emulate_time_scale
-    sessions = iter(wl.sessions())
-    done = {r.rid: asyncio.Event() for r in wl.requests}
 
     async def one(r) -> None:
-        try:
-            for d in r.deps:
-                await done[d].wait()
-            if r.delay > 0:
-                await asyncio.sleep(r.delay * k)
-            if not st.stop.is_set():
-                st.results.append(await request(http, url, model, wl.text(r), r, st, k, limit))
-        finally:
-            done[r.rid].set()
+        st.results.append(await request(http, url, model, wl.text(r), r, st, k, limit))
 
-    async def worker() -> None:
-        for s in sessions:
-            if st.stop.is_set():
-                return
-            await asyncio.gather(*(one(r) for r in s))
-        if not st.stop.is_set():
-            st.notes.append("a worker ran out of sessions before the timeline ended")
-
-    await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+    ran_out = await play(wl, one, st.t0, k, args.concurrency, st.stop)
+    st.notes += ["a worker ran out of sessions before the timeline ended"] * ran_out

@@ -22,6 +22,7 @@ from kvmesh.bench.engine_probes import kvmesh_engines
 from kvmesh.bench.fleet_procs.procs import admin_headers
 from kvmesh.bench.http_load import first_model
 from kvmesh.bench.progress import LineProgress
+from kvmesh.bench.session_loop import play
 from kvmesh.bench.workloads import VOCAB, Request, Workload
 from kvmesh.protocol.prom import parse_samples
 from kvmesh.protocol.stats import percentile
@@ -146,21 +147,15 @@ async def run_workload(
         timed = await asyncio.to_thread(kvmesh_engines, list(engines))
         before = await scrape_engines(http, engines, timed)
         task = progress.add_task(label or wl.kind, total=len(wl.requests)) if progress else None
-        done = {r.rid: asyncio.Event() for r in wl.requests}
         records: list[Record] = []
         tally = [0, 0, 0]  # errors, cached tokens, prompt tokens
         t0 = time.perf_counter()
 
         async def one(r: Request) -> None:
-            for d in r.deps:
-                await done[d].wait()
-            if r.delay > 0:
-                await asyncio.sleep(r.delay * scale)
             rec = await send(http, url, model, prompt(r), r, t0, scale)
             records.append(rec)
             if on_record is not None:
                 on_record(rec)
-            done[r.rid].set()
             tally[0] += bool(rec.error)
             tally[1] += rec.cached_tokens
             tally[2] += rec.prompt_tokens if not rec.error else 0
@@ -169,24 +164,8 @@ async def run_workload(
                 text = f"{label} hit {hit:.2f} err {tally[0]}"
                 progress.update(task, advance=1, description=text)
 
-        async def session(reqs: list[Request]) -> None:
-            await asyncio.gather(*(one(r) for r in reqs))
-
-        sessions = wl.sessions()
-        if concurrency > 0:  # workers share one iterator: each takes the next session
-            it = iter(sessions)
-
-            async def worker() -> None:
-                for s in it:
-                    await session(s)
-
-            await asyncio.gather(*(worker() for _ in range(min(concurrency, len(sessions)))))
-        else:
-            tasks = []
-            for s in sessions:
-                await asyncio.sleep(max(0.0, t0 + s[0].at * scale - time.perf_counter()))
-                tasks.append(asyncio.create_task(session(s)))
-            await asyncio.gather(*tasks)
+        sessions = len(wl.sessions())
+        await play(wl, one, t0, scale, min(concurrency, sessions) if concurrency > 0 else 0)
         wall = (time.perf_counter() - t0) / scale
         after = await scrape_engines(http, engines, timed)
     records.sort(key=lambda x: x.rid)
