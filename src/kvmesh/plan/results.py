@@ -128,7 +128,7 @@ def binding_constraint(results: list[PlanResult], pruned: list[Pruned], targets:
 
 def format_table(results: list[PlanResult], targets: Targets) -> str:
     head = (
-        f"{'#':>2}  {'GPUs':>4}  {'layout':<26}{'techniques':<34}{'out tok/min':>12}"
+        f"{'#':>2}  {'GPUs':>4}  {'layout':<26}{'techniques':<42}{'out tok/min':>12}"
         f"  {'TTFT p50/p90 s':>14}  {'user tok/s':>10}  {'preempt':>7}  {'$/h':>8}"
         f"  {'$/M in':>7}  {'$/M out':>7}  margin TTFT / tok/s"
     )
@@ -143,7 +143,7 @@ def format_table(results: list[PlanResult], targets: Targets) -> str:
             f"{r.user_margin_tok_s:+.0f} ({r.user_margin_tok_s / targets.user_tok_s:+.0%})"
         )
         lines.append(
-            f"{i:>2}  {c.gpus:>4}  {c.shape():<26}{c.techniques():<34}"
+            f"{i:>2}  {c.gpus:>4}  {c.shape():<26}{c.techniques():<42}"
             f"{s['output_tok_per_min']:>12,}  {ttft:>14}  {r.user_tok_s:>10.0f}"
             f"  {s['preemptions']:>7}  {r.usd_per_hour:>8.2f}  {money_in:>7}  {money_out:>7}"
             f"  {margins}"
