@@ -11,7 +11,7 @@ same layout, P/D share and techniques) does no worse with more GPUs, and runs wh
    again at more (it would cost more for nothing).
 
 Each run is one closed loop of agents on a fresh fleet (kvmesh.sim.agents_cli.run_agents) in a
-process of a spawned pool; stderr gets a line as each run ends."""
+process of a spawned pool; stderr gets a line as each run ends, and one a minute otherwise."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ from concurrent.futures import FIRST_COMPLETED, Executor, ProcessPoolExecutor, w
 from kvmesh.plan.candidates import Candidate
 from kvmesh.sim.agents import AgentConfig
 from kvmesh.sim.fleet import FleetSimConfig
+
+HEARTBEAT_S = 60.0  # a progress line this often while no run ends
 
 
 def simulate(config: FleetSimConfig, policy: str, agents: AgentConfig) -> dict:
@@ -134,6 +136,9 @@ class Search:
         index = {pool.submit(simulate, *args): c for c, args in zip(todo, calls, strict=True)}
         pending = set(index)
         while pending:
-            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            done, pending = wait(pending, timeout=HEARTBEAT_S, return_when=FIRST_COMPLETED)
+            if not done:
+                took = time.monotonic() - self.started
+                self.say(f"  {len(todo) - len(pending)}/{len(todo)} done ({took:.0f} s)")
             for future in done:
                 yield index[future], future.result()
