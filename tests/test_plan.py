@@ -132,3 +132,31 @@ def test_a_host_tier_is_pruned_where_the_gpus_hold_all_the_agents_can_reuse() ->
                                                       "0.8").kv_tokens  # fmt: skip
     kept, _ = prune([plain, tiered], more, *args)
     assert kept == [plain, tiered]
+
+
+def test_the_search_probes_doubling_counts_then_bisects_to_the_cheapest(monkeypatch) -> None:
+    from kvmesh.plan import search
+    from kvmesh.plan.results import judge
+
+    targets = Targets(agents=4, ttft_p90_s=1, user_tok_s=50)
+
+    def fake_run(fleet: Candidate, policy: str, agents) -> dict:  # meets from 5 engines on
+        speed = 60.0 if fleet.gpus >= 5 else 40.0
+        return {"ttft_ms_p90": 100.0, "user_tok_s_p50": speed}
+
+    monkeypatch.setattr(search, "simulate", fake_run)
+    fleets = [Candidate("", 1, n, 0, "kvmesh", 0, False) for n in range(1, 17)]
+    lines: list[str] = []
+    s = search.Search(fleets, lambda c: c, None, lambda c, summary: judge(
+        c, summary, targets, float(c.gpus), None), jobs=1, top=1, log=lines.append)  # fmt: skip
+    results = s.run()
+    assert [r.candidate.gpus for r in results] == [1, 2, 4, 8, 6, 5]
+    assert [r.candidate.gpus for r in results if r.meets] == [8, 6, 5]
+    assert lines[0] == "1 GPUs: 1 candidates"
+
+
+def test_bad_targets_get_a_message_not_a_traceback(capsys) -> None:
+    assert main(plan("--ttft-p90", "2", "--user-tok-s", "0")) == 2
+    assert "--ttft-p90 and --user-tok-s must be positive" in capsys.readouterr().err
+    assert main(plan("--ttft-p90", "2", "--user-tok-s", "60", "--workload", "chat")) == 2
+    assert "--workload must be one of" in capsys.readouterr().err
