@@ -8,16 +8,15 @@ target; decode capacity at the target speed below the agents' demand), and the s
 simulated in parallel processes, whole GPU counts at a time, cheapest first.
 
   kvmesh plan --agents 40 --workload agentic --ttft-p90 2 --user-tok-s 60 --max-gpus 8
-  kvmesh plan --agents 3000 --workload seed --ttft-p90 20 --user-tok-s 60 \\
-      --model glm-5.2-moe --gpu h100 --max-gpus 544 --output bench-results/plan
+  kvmesh plan --agents 60 --ttft-p90 5 --user-tok-s 30 --model glm-5.2-moe --max-gpus 32 \\
+      --output bench-results/plan
 """
 
 from __future__ import annotations
 
 import argparse
 
-MODELS = ("llama-3.1-8b", "qwen3-32b", "llama-3.1-70b", "glm-5.2-moe")  # the emulated models
-GPUS = ("h100", "h200", "a100")
+from kvmesh.engine.emulation.latency import ACCELERATORS, MODELS
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -36,9 +35,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="Per-user decode speed target: the median request's tokens/s after its first.",
     )
     p.add_argument(
-        "--model", default="llama-3.1-8b", choices=MODELS, help="Emulated model [llama-3.1-8b]."
+        "--model",
+        default="llama-3.1-8b",
+        choices=sorted(MODELS),
+        help="Emulated model [llama-3.1-8b].",
     )
-    p.add_argument("--gpu", default="h100", choices=GPUS, help="Emulated GPU [h100].")
+    p.add_argument(
+        "--gpu", default="h100", choices=sorted(ACCELERATORS), help="Emulated GPU [h100]."
+    )
     p.add_argument(
         "--budget", type=float, default=0.0, help="Most USD per hour for the fleet (0: none) [0]."
     )
