@@ -160,3 +160,5 @@ def test_bad_targets_get_a_message_not_a_traceback(capsys) -> None:
     assert "--ttft-p90 and --user-tok-s must be positive" in capsys.readouterr().err
     assert main(plan("--ttft-p90", "2", "--user-tok-s", "60", "--workload", "chat")) == 2
     assert "--workload must be one of" in capsys.readouterr().err
+    assert main(plan("--ttft-p90", "2", "--user-tok-s", "60", "--policies", "nope")) == 2
+    assert "--policies takes router presets" in capsys.readouterr().err

@@ -56,7 +56,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--policies",
         default="kvmesh",
-        help="Router presets of aggregated fleets, comma-separated; P/D fleets run pd [kvmesh].",
+        help="Router presets of aggregated fleets, comma-separated (kvmesh, round-robin, "
+        "...); P/D fleets run pd [kvmesh].",
     )
     p.add_argument(
         "--host-tier-gib",

@@ -9,7 +9,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from kvmesh.plan.candidates import Candidate, enumerate_candidates
+from kvmesh.plan.candidates import PD_POLICY, Candidate, enumerate_candidates
 from kvmesh.plan.capacity import prune
 from kvmesh.plan.outputs import plot_plans, values_text
 from kvmesh.plan.results import PlanResult, binding_constraint, cheapest, format_table, judge
@@ -30,7 +30,14 @@ def run_plan(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvmesh plan: {exc}", file=sys.stderr)
         return 2
+    from kvmesh.router.pipeline import PRESETS
+
     policies = tuple(p for p in args.policies.split(",") if p)
+    unknown = [p for p in policies if p not in PRESETS or p == PD_POLICY]
+    if not policies or unknown:
+        aggregated = sorted(set(PRESETS) - {PD_POLICY})
+        print(f"kvmesh plan: --policies takes router presets of {aggregated}", file=sys.stderr)
+        return 2
     acceptance = args.emulate_spec_acceptance
     print(
         f"plan: {args.agents} agents ({args.workload}: {workload.answer_tokens}-token answers, "
