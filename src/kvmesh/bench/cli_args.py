@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from kvmesh.bench import workloads
+if TYPE_CHECKING:  # the generators import the load client (aiohttp): only a run needs them
+    from kvmesh.bench import workloads
 
 KINDS = ("agentic", "shared-prefix", "trace")
 DEFAULT_TRACE = "/work/shared/traces/mooncake_conversation_trace.jsonl"
@@ -102,6 +104,8 @@ def build_workload(
     args: argparse.Namespace, kind: str | None = None, **overrides
 ) -> workloads.Workload:
     """The workload the arguments describe; `overrides` fill parameters the user left unset."""
+    from kvmesh.bench import workloads
+
     kind = kind or args.workload
     kw = {**overrides}
     for flag, _, name, _ in _ARGS[kind]:
