@@ -57,6 +57,18 @@ def test_a_servers_help_reads_settings_not_servers(command) -> None:
     assert "kvmesh.engine.emulation.config" in loaded or command == "router"
 
 
+def test_sims_help_reads_flag_modules_not_the_simulator() -> None:
+    # the flags of `kvmesh sim` (fleet, workload, agents, cost) live apart from the simulator,
+    # the load client and the workload generators, which load when a run starts
+    loaded = _imported_after_parsing(["sim", "--help"], build_only=True)
+    assert not set(NOT_FOR_FLAGS) & loaded, set(NOT_FOR_FLAGS) & loaded
+    heavy = ("kvmesh.sim.fleet", "kvmesh.sim.agents_cli", "kvmesh.bench.workloads", "tqdm")
+    assert not set(heavy) & loaded, set(heavy) & loaded
+    assert {"kvmesh.sim.replay", "kvmesh.sim.fleet_args", "kvmesh.sim.agent_args"} <= loaded
+    parsed = _imported_after_parsing(["sim", "--workload", "agentic", "--agents", "4"])
+    assert not {"torch", "numpy", "aiohttp", "kvmesh.sim.fleet"} & parsed
+
+
 def test_a_subcommand_imports_only_what_its_flags_need() -> None:
     serve = _imported_after_parsing(["serve", "--port", "0"])
     assert not {*HEAVY, "kvmesh.router.app"} & serve

@@ -11,29 +11,10 @@ from pathlib import Path
 
 from kvmesh.sim.ablation import TP_REPLICA, Variant, prefill_share, variants
 from kvmesh.sim.ablation_jobs import default_jobs, in_order
+from kvmesh.sim.agent_args import add_cost_args  # noqa: F401 - the flag's home; API here too
 from kvmesh.sim.cost import FleetCost, api_comparison, fleet_cost, format_cost_table, plot_cost
 from kvmesh.sim.cost import load_price_table as price_table
 from kvmesh.sim.fleet import FleetSimConfig
-
-
-def add_cost_args(g) -> None:
-    g.add_argument(
-        "--ablation",
-        action="store_true",
-        help="With --agents N: run the full stack (the first of --policies, --layout, "
-        "--speculative-config, the host tier of --serve-args, --kv-peer-min-cached-token-delta, "
-        "--prefill-gpus), then each technique off in turn (routing -> round-robin, host tier, "
-        "peer sharing, P/D -> the same GPUs aggregated, wide EP -> TP8 replicas, MTP), one "
-        "table; "
-        "and the full stack's cost per token beside commercial API list prices.",
-    )
-    g.add_argument(
-        "--gpu-hour-price",
-        type=float,
-        default=None,
-        help="USD per GPU-hour for the cost table [default: the price file's public rate for "
-        "--emulate-gpu, else its H100 rate].",
-    )
 
 
 def gpu_price(given: float | None, gpu: str) -> tuple[float, str]:

@@ -18,57 +18,14 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvmesh.protocol.wording import noun_for, plural
-from kvmesh.sim.ablation_cli import add_cost_args
+from kvmesh.sim.agent_args import (  # noqa: F401 - the flags are this module's API too
+    add_agent_args,
+    agent_counts,
+)
 from kvmesh.sim.agents import AgentConfig, ClosedLoop
 from kvmesh.sim.agents_report import knee, loop_ceiling, print_knee, print_loop_row, summarize_loop
 from kvmesh.sim.fleet import FleetSim, FleetSimConfig
 from kvmesh.sim.quiet import collector_off
-
-
-def agent_counts(text: str) -> list[int]:
-    """`--agents`: one count or a comma-separated list of distinct positive counts; "0" (the
-    default) is the empty list: the open workload instead."""
-    parts = text.split(",")
-    try:
-        counts = [int(p) for p in parts]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a count or a comma-separated list of counts"
-        ) from None
-    if counts == [0]:
-        return []
-    if any(n < 1 for n in counts):
-        raise argparse.ArgumentTypeError(f"{text!r}: every count must be at least 1")
-    if len(set(counts)) < len(counts):
-        raise argparse.ArgumentTypeError(f"{text!r}: a count appears twice")
-    return counts
-
-
-def add_agent_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("closed-loop agents (--workload agentic)")
-    g.add_argument(
-        "--agents",
-        type=agent_counts,
-        default=[],
-        help="Concurrent coding agents, each running agentic sessions back to back for "
-        "--duration; a comma-separated list (20,40,80) runs every policy at each count; "
-        "0: the open workload of --sessions instead [0].",
-    )
-    g.add_argument(
-        "--duration", type=float, default=60.0, help="Simulated seconds of --agents [60]."
-    )
-    g.add_argument(
-        "--ramp-s",
-        type=float,
-        default=10.0,
-        help="Agents start at uniform offsets over this many simulated seconds [10].",
-    )
-    g.add_argument(
-        "--no-ceiling",
-        action="store_true",
-        help="Skip the hit-rate ceiling (its hashing costs a few seconds per million blocks).",
-    )
-    add_cost_args(g)
 
 
 def agent_config(args: argparse.Namespace, agents: int | None = None) -> AgentConfig:

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import argparse
 import shlex
+from typing import TYPE_CHECKING
 
-from kvmesh.sim.fleet import FleetSimConfig
-from kvmesh.sim.instances import instance_roofline
+if TYPE_CHECKING:  # the simulator proper: fleet_config loads it, the flags do not
+    from kvmesh.sim.fleet import FleetSimConfig
 
 LAYOUT_MODEL = "glm-5.2-moe"  # the emulated model of --layout unless one is named
 # serve flags on `sim`
@@ -35,6 +36,8 @@ def fleet_config(
     from kvmesh.commands.serve_flags import serve_parser
     from kvmesh.engine.config import EngineConfig
     from kvmesh.engine.emulation.config import EmulationConfig
+    from kvmesh.sim.fleet import FleetSimConfig
+    from kvmesh.sim.instances import instance_roofline
 
     # xxhash unless asked otherwise: the routing is the same, the replay much faster
     argv = ["--emulate", "--prefix-caching-hash-algo", "xxhash", *shlex.split(serve_args)]

@@ -23,15 +23,14 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+# Only flag modules and light helpers at module level: `kvmesh sim --help` builds its parser from
+# this module, and the simulator (engine cores, router, numpy) loads when a run starts.
 from kvmesh.bench.cli_args import DEFAULT_TRACE, add_workload_params, build_workload
-from kvmesh.protocol.stats import percentile
 from kvmesh.protocol.wording import noun_for, plural
-from kvmesh.sim import agents_cli
-from kvmesh.sim.agents_cli import add_agent_args
-from kvmesh.sim.fleet import FleetSim, FleetSimConfig, SimRecord
+from kvmesh.sim.agent_args import add_agent_args
 from kvmesh.sim.fleet_args import add_fleet_args, engine_flags, fleet_config, kv_move_flags
-from kvmesh.sim.quiet import collector_off
 from kvmesh.sim.requests import (  # noqa: F401 - trace_requests is this module's API too
     hit_ceiling,
     load_requests,
@@ -39,8 +38,13 @@ from kvmesh.sim.requests import (  # noqa: F401 - trace_requests is this module'
     workload_requests,
 )
 
+if TYPE_CHECKING:
+    from kvmesh.sim.fleet import FleetSimConfig, SimRecord
+
 
 def summarize(records: list[SimRecord], engines: int) -> dict:
+    from kvmesh.protocol.stats import percentile
+
     done = [r for r in records if r.first_token is not None]
     ttft = [r.ttft * 1e3 for r in done]
     load = [0] * engines
@@ -137,6 +141,8 @@ def run_policy(
     from tqdm import tqdm
 
     from kvmesh.engine.tokenizer import load_tokenizer
+    from kvmesh.sim.fleet import FleetSim
+    from kvmesh.sim.quiet import collector_off
 
     name = policy = spec
     if spec.endswith((".yaml", ".yml")):  # an EndpointPickerConfig, labelled by its stem
@@ -201,6 +207,8 @@ def main(args: argparse.Namespace) -> int:
         if args.workload != "agentic":
             print("kvmesh sim: --agents needs --workload agentic", file=sys.stderr)
             return 2
+        from kvmesh.sim import agents_cli
+
         return agents_cli.main(args, config, specs)
     if args.ablation:
         print("kvmesh sim: --ablation runs the closed loop: give --agents N", file=sys.stderr)

@@ -4,10 +4,14 @@ turns each waits for; and the hit-rate ceiling of a request list."""
 
 from __future__ import annotations
 
-from kvmesh.bench.workloads import Workload, segment_runs
+from typing import TYPE_CHECKING
+
 from kvmesh.protocol.ceiling import hit_ceiling as prefix_hit_ceiling
 from kvmesh.protocol.trace import arrival_offsets, read_trace
-from kvmesh.sim.fleet import SimRequest
+from kvmesh.sim.records import SimRequest
+
+if TYPE_CHECKING:  # the workload generators import the load client: loaded when one is converted
+    from kvmesh.bench.workloads import Workload
 
 
 def trace_requests(
@@ -33,6 +37,8 @@ def workload_requests(wl: Workload) -> list[SimRequest]:
     (bench.workloads.segment_runs: each segment a run of token ids of its own, so prompts share
     exactly the segments they share in the benchmark); a turn arrives its think time after the
     turns it follows finish."""
+    from kvmesh.bench.workloads import segment_runs
+
     return [
         SimRequest(r.rid, r.at, runs, max(1, r.max_tokens), r.agent, r.deps, r.delay)
         for r, runs in zip(wl.requests, segment_runs(wl.requests), strict=True)
