@@ -52,7 +52,7 @@ class PromptTokenizer:
         cache_tokens: int = 4_000_000,
         hash_cache_blocks: int = 262_144,
         min_run_chars: int = 128,
-        cut_stride: int = 16,
+        cut_stride: int = 8,
         hash_span: int = 16,
         whole_entries: int = 1024,
         whole_tokens: int = 262_144,
