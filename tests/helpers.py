@@ -95,3 +95,11 @@ def run_quick_bench(command: str, out, result_file: str, *flags: str) -> dict:
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return json.loads((out / result_file).read_text())
+
+
+def counter(metric, *labels) -> float:
+    """A labelled counter's value: the router's lock-free LoopLabelledCounter, or a
+    prometheus_client one."""
+    if hasattr(metric, "counts"):  # router.metrics.LoopLabelledCounter
+        return metric.counts.get(labels, 0.0)
+    return metric.labels(*labels)._value.get()

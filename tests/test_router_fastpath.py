@@ -10,6 +10,7 @@ import json
 
 import pytest
 
+from tests.helpers import counter
 from tests.test_router_proxy import Engine, exchange, post, routed
 
 
@@ -33,10 +34,6 @@ class Scripted(Engine):
             await asyncio.wait_for(reader.read(1), 30)  # returns when the router hangs up
             return False
         return await super()._answer(reader, writer, body)
-
-
-def counter(metric, *labels) -> float:
-    return metric.labels(*labels)._value.get()
 
 
 def status(raw: bytes) -> int:

@@ -22,6 +22,7 @@ from kvmesh.router.index import PreciseIndex
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.outlier import OutlierDetection
 from tests.conftest import emulated_fleet
+from tests.helpers import counter
 from tests.test_router_proxy import Engine, exchange, post, routed
 
 
@@ -30,12 +31,6 @@ async def until(cond, timeout: float = 10.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "condition not reached"
         await asyncio.sleep(0.02)
-
-
-def counter(metric, *labels) -> float:
-    if hasattr(metric, "counts"):  # metrics.LoopLabelledCounter
-        return metric.counts.get(labels, 0.0)
-    return metric.labels(*labels)._value.get()
 
 
 def status(raw: bytes) -> int:

@@ -54,9 +54,10 @@ def answer_of(raw: bytes) -> tuple[int, bytes]:
 
 async def test_a_slow_prefill_after_an_early_head_is_not_a_stalled_stream(tokenizer) -> None:
     engine = EarlyHead("late", prefill=1.0)
-    async with routed(
-        tokenizer, [engine], stream_idle_timeout=0.1, first_byte_timeout=60.0
-    ) as (router, port):
+    async with routed(tokenizer, [engine], stream_idle_timeout=0.1, first_byte_timeout=60.0) as (
+        router,
+        port,
+    ):
         raw = await exchange(port, post("/v1/completions", {"prompt": "p", "stream": True}))
     status, body = answer_of(raw)
     assert status == 200, raw
@@ -67,16 +68,17 @@ async def test_a_slow_prefill_after_an_early_head_is_not_a_stalled_stream(tokeni
 
 async def test_no_token_within_the_first_byte_timeout_goes_to_another_endpoint(tokenizer) -> None:
     hung, good = EarlyHead("hang"), EarlyHead("late")
-    async with routed(
-        tokenizer, [hung, good], first_byte_timeout=0.3, stream_idle_timeout=0.0
-    ) as (router, port):
+    async with routed(tokenizer, [hung, good], first_byte_timeout=0.3, stream_idle_timeout=0.0) as (
+        router,
+        port,
+    ):
         for i in range(3):  # round robin: the hung engine is tried first at least once
             raw = await exchange(port, post("/v1/completions", {"prompt": f"p{i}", "stream": True}))
             status, body = answer_of(raw)
             assert status == 200 and TOKEN in body and DONE in body, raw
             assert raw.count(b"HTTP/1.1") == 1  # the hung engine's head never reached the client
         assert hung.head_sent.is_set()
-        assert router.metrics.requests.labels(hung.url, "timeout")._value.get() >= 1
+        assert router.metrics.requests.counts.get((hung.url, "timeout"), 0) >= 1
 
 
 async def test_a_head_then_a_close_before_the_first_token_is_retried(tokenizer) -> None:
@@ -87,7 +89,7 @@ async def test_a_head_then_a_close_before_the_first_token_is_retried(tokenizer) 
             status, body = answer_of(raw)
             assert status == 200 and TOKEN in body and b"broke" not in body, raw
         assert dropper.head_sent.is_set()
-        assert router.metrics.requests.labels(dropper.url, "stream_error")._value.get() >= 1
+        assert router.metrics.requests.counts.get((dropper.url, "stream_error"), 0) >= 1
         assert router.pool.endpoints[dropper.url].healthy  # it answered: not unreachable
 
 
@@ -113,6 +115,6 @@ async def test_a_request_every_engine_drops_leaves_them_all_in_rotation(tokenize
         assert all(1 <= len(e.requests) <= 2 for e in engines)
         assert all(e.healthy for e in router.pool.endpoints.values())
         for e in engines:
-            assert router.metrics.requests.labels(e.url, "dropped")._value.get() == 1
+            assert router.metrics.requests.counts.get((e.url, "dropped"), 0) == 1
         raw = await exchange(port, post("/v1/completions", {"prompt": "fine"}))
         assert raw.startswith(b"HTTP/1.1 200"), raw
