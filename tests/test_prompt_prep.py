@@ -53,7 +53,7 @@ def stack(tokenizer):
 @pytest.fixture(scope="module")
 def sides(tokenizer):
     """(router's parser, engine's serving): each side's own prompt path, in process."""
-    parser = RequestParser(PromptTokenizer(tokenizer, chunk_chars=32, cut_stride=4), True, 16)
+    parser = RequestParser(PromptTokenizer(tokenizer, min_run_chars=32, cut_stride=4), True, 16)
     yield parser, OpenAIServing(None, tokenizer, "m", 1 << 20, ())
     parser.close()
 
