@@ -90,8 +90,9 @@ PARAMETERS = {
 
 
 def _portable(text: str) -> str:
-    """Text without this checkout's own location (defaults built from it read as relative)."""
-    return text.replace(str(ROOT) + "/", "").replace(str(ROOT.parent), "..")
+    """Text without this checkout's own location (defaults built from it read as relative);
+    paths outside it are the same wherever it is cloned, and stay as they are."""
+    return text.replace(str(ROOT) + "/", "")
 
 
 def _cell(text: str) -> str:
