@@ -125,23 +125,29 @@ def flag(args: list[str], name: str) -> str:
     return args[args.index(name) + 1]
 
 
-# --- the checks -------------------------------------------------------------------------------
-@pytest.mark.parametrize("values", VALUE_SETS)
-def test_every_manifest_is_valid(values):
-    docs = render(values)
-    kinds = sorted({d["kind"] for d in docs})
-    assert {"Deployment", "Service", "Role", "RoleBinding", "InferencePool"} <= set(kinds)
+def validate_manifests(docs: list[dict], crd_version: str | None = None) -> None:
+    """Every rendered manifest against its schema: the InferencePool against the CRD release
+    the values declare (v1.0.0 unless said), other CRDs' objects against theirs, the rest
+    against Kubernetes' own at K8S_VERSION."""
     for doc in docs:
         key = (doc["apiVersion"], doc["kind"])
-        if doc["kind"] == "InferencePool":  # as the CRD release the values declare has it
-            crd = VALUE_SETS[values].get("inferencePool", {}).get("crdVersion", "v1.0.0")
-            jsonschema.validate(doc, inference_pool_schema(crd))
+        if doc["kind"] == "InferencePool":
+            jsonschema.validate(doc, inference_pool_schema(crd_version or "v1.0.0"))
             check_crd_rules(doc)
         elif key in CRD_SCHEMAS:
             jsonschema.validate(doc, CRD_SCHEMAS[key])
             check_crd_rules(doc)
         else:
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+# --- the checks -------------------------------------------------------------------------------
+@pytest.mark.parametrize("values", VALUE_SETS)
+def test_every_manifest_is_valid(values):
+    docs = render(values)
+    kinds = sorted({d["kind"] for d in docs})
+    assert {"Deployment", "Service", "Role", "RoleBinding", "InferencePool"} <= set(kinds)
+    validate_manifests(docs, VALUE_SETS[values].get("inferencePool", {}).get("crdVersion"))
     names = [(d["kind"], d["metadata"]["name"]) for d in docs]
     assert len(names) == len(set(names)), names
 

@@ -15,10 +15,8 @@ helm = pytest.importorskip("helm_python", reason="needs helm-python-sdk (the tes
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 jsonschema = pytest.importorskip("jsonschema")
 
-from tests.helm_crd_schemas import CRD_SCHEMAS, check_crd_rules, inference_pool_schema  # noqa: E402
 from tests.test_helm_chart import (  # noqa: E402
     CHART,
-    K8S_VERSION,
     NAMESPACE,
     RELEASE,
     container,
@@ -26,6 +24,7 @@ from tests.test_helm_chart import (  # noqa: E402
     model_servers,
     one,
     render_values,
+    validate_manifests,
 )
 
 SUMMARY = {"ttft_ms_p50": 20.0, "ttft_ms_p90": 30.0, "user_tok_s_p50": 160.0,
@@ -39,16 +38,7 @@ def rendered(candidate: Candidate, model: str) -> list[dict]:
     report = helm.lint(CHART, values, strict=True, namespace=NAMESPACE)
     assert report["errors"] == []
     assert [m for m in report["messages"] if m["severity"] >= 2] == []
-    for doc in docs:
-        key = (doc["apiVersion"], doc["kind"])
-        if doc["kind"] == "InferencePool":
-            jsonschema.validate(doc, inference_pool_schema("v1.0.0"))
-            check_crd_rules(doc)
-        elif key in CRD_SCHEMAS:
-            jsonschema.validate(doc, CRD_SCHEMAS[key])
-            check_crd_rules(doc)
-        else:
-            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    validate_manifests(docs)
     return docs
 
 

@@ -155,28 +155,27 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         elif name == "sim":
             from kvmesh.sim import replay
 
-            sp = sub.add_parser(
-                name,
-                help=text,
-                description=(replay.__doc__ or "").strip(),
-                formatter_class=argparse.RawDescriptionHelpFormatter,
-            )
-            replay.add_args(sp)
-            sp.set_defaults(func=replay.main)
+            _add_module_command(sub, name, text, replay)
         elif name == "plan":
             from kvmesh.plan import cli as plan_cli
 
-            pp = sub.add_parser(
-                name,
-                help=text,
-                description=(plan_cli.__doc__ or "").strip(),
-                formatter_class=argparse.RawDescriptionHelpFormatter,
-            )
-            plan_cli.add_args(pp)
-            pp.set_defaults(func=plan_cli.main)
+            _add_module_command(sub, name, text, plan_cli)
         else:
             _add_bench(sub, text, wanted)
     return parser
+
+
+def _add_module_command(sub, name: str, text: str, module) -> None:
+    """A subcommand whose module describes it (its docstring), adds its flags (add_args) and
+    runs it (main)."""
+    p = sub.add_parser(
+        name,
+        help=text,
+        description=(module.__doc__ or "").strip(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    module.add_args(p)
+    p.set_defaults(func=module.main)
 
 
 def _add_serve(sub, name: str, text: str) -> None:
