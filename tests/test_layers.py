@@ -54,10 +54,7 @@ ROUTER_FLOORS: tuple[tuple[str, ...], ...] = (
 
 # Circles that remain today, by their members, each with the change that breaks it (see
 # docs/layers.md, "What is left").
-KNOWN_CYCLES: dict[frozenset[str], str] = {
-    frozenset({"sim.ablation_cli", "sim.agents_cli"}):
-        "agents_cli dispatches --ablation to ablation_cli, which runs agents_cli's run_agents",
-}  # fmt: skip
+KNOWN_CYCLES: dict[frozenset[str], str] = {}
 
 # Imports across parts that the table above forbids, by reason.
 _IN_PROCESS_ENGINE = "runs engine cores in process in virtual time: a simulation, not HTTP"

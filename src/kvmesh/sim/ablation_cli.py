@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import replace
 from pathlib import Path
 
 from kvmesh.sim.ablation import TP_REPLICA, Variant, prefill_share, variants
 from kvmesh.sim.ablation_jobs import default_jobs, in_order
 from kvmesh.sim.agent_args import add_cost_args  # noqa: F401 - the flag's home; API here too
+from kvmesh.sim.agents_cli import agent_config, run_agents
 from kvmesh.sim.cost import FleetCost, api_comparison, fleet_cost, format_cost_table, plot_cost
 from kvmesh.sim.cost import load_price_table as price_table
 from kvmesh.sim.fleet import FleetSimConfig
@@ -65,6 +67,23 @@ def row_text(v: Variant, s: dict | None, full: dict | None, cost: FleetCost | No
         f"  user {s['user_tok_s_p50']:>4.0f} tok/s  busy {s['gpu_busy']:.2f}{money}"
         f"  ({s.get('sim_wall_s', 0):.0f} s)"
     )
+
+
+def run_ablation(args: argparse.Namespace, config: FleetSimConfig, specs: list[str]) -> int:
+    """`kvmesh sim --agents N --ablation`: the closed loop of N agents, once per row."""
+    try:
+        agents = agent_config(args)
+    except ValueError as exc:
+        print(f"kvmesh sim: {exc}", file=sys.stderr)
+        return 2
+    if len(args.agents) > 1:
+        print("kvmesh sim: --ablation takes one --agents count", file=sys.stderr)
+        return 2
+    try:
+        return main(args, config, specs, agents)
+    except ValueError as exc:
+        print(f"kvmesh sim: {exc}", file=sys.stderr)
+        return 2
 
 
 def main(args: argparse.Namespace, config: FleetSimConfig, specs: list[str], agents) -> int:
@@ -169,8 +188,6 @@ def drafter_assumption(config: FleetSimConfig) -> tuple[str, list[float]] | None
 
 def run_row(config: FleetSimConfig, policy: str, agents, ceiling: bool, progress_bar: bool) -> dict:
     """One row's run (in a process of its own when rows run in parallel): its summary."""
-    from kvmesh.sim.agents_cli import run_agents
-
     return run_agents(config, policy, agents, ceiling, progress_bar)[1]
 
 

@@ -78,17 +78,6 @@ def main(args: argparse.Namespace, config: FleetSimConfig, specs: list[str]) -> 
     except ValueError as exc:
         print(f"kvmesh sim: {exc}", file=sys.stderr)
         return 2
-    if getattr(args, "ablation", False):
-        if len(args.agents) > 1:
-            print("kvmesh sim: --ablation takes one --agents count", file=sys.stderr)
-            return 2
-        from kvmesh.sim import ablation_cli
-
-        try:
-            return ablation_cli.main(args, config, specs, agents)
-        except ValueError as exc:
-            print(f"kvmesh sim: {exc}", file=sys.stderr)
-            return 2
     if len(args.agents) > 1:
         return sweep(args, config, specs)
     who = plural(agents.agents, "agent")

@@ -207,6 +207,10 @@ def main(args: argparse.Namespace) -> int:
         if args.workload != "agentic":
             print("kvmesh sim: --agents needs --workload agentic", file=sys.stderr)
             return 2
+        if args.ablation:
+            from kvmesh.sim import ablation_cli
+
+            return ablation_cli.run_ablation(args, config, specs)
         from kvmesh.sim import agents_cli
 
         return agents_cli.main(args, config, specs)
