@@ -71,15 +71,10 @@ def row_text(v: Variant, s: dict | None, full: dict | None, cost: FleetCost | No
 
 def run_ablation(args: argparse.Namespace, config: FleetSimConfig, specs: list[str]) -> int:
     """`kvmesh sim --agents N --ablation`: the closed loop of N agents, once per row."""
-    try:
+    try:  # a bad flag's ValueError, here or in a row's setup, is a usage error
         agents = agent_config(args)
-    except ValueError as exc:
-        print(f"kvmesh sim: {exc}", file=sys.stderr)
-        return 2
-    if len(args.agents) > 1:
-        print("kvmesh sim: --ablation takes one --agents count", file=sys.stderr)
-        return 2
-    try:
+        if len(args.agents) > 1:
+            raise ValueError("--ablation takes one --agents count")
         return main(args, config, specs, agents)
     except ValueError as exc:
         print(f"kvmesh sim: {exc}", file=sys.stderr)
